@@ -1,0 +1,418 @@
+"""A synchronous harness: one planner, N rank executors, a block pool, a store.
+
+Scenario tests (and the demo) need the whole connector moving without threads
+or time: this harness plays a small engine — waiting and running requests,
+chunked prefill under a token budget, one decode token per step, explicit
+preemption, finish and id reuse — and lets the test decide exactly when each
+rank performs each store call (``advance``). Every observation goes to the
+invariant monitor, so a scenario that breaks the protocol fails loudly.
+
+The simulator (`sim`) replaces the "when" with a seeded event loop; what is
+modelled here (content tags, pins as references, first-write-wins store) is
+the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvstate.block_pool import BlockPool
+from kvstate.config import ConnectorConfig
+from kvstate.executor import Executor, RankJob
+from kvstate.invariants import Monitor
+from kvstate.keys import HashChain, cdiv, chunk_hash
+from kvstate.memory_store import MemoryStore, StoreRaised
+from kvstate.observations import (
+    ExistsAnswered,
+    LoadDone,
+    LookupDone,
+    Observation,
+    Planned,
+    PutDone,
+    Quiescent,
+    ReportDelivered,
+    Settled,
+    StepScheduled,
+)
+from kvstate.planner import Planner
+from kvstate.records import (
+    CachedRequest,
+    ExistsCall,
+    GetCall,
+    LoadReport,
+    NewRequest,
+    Plan,
+    PutCall,
+    Report,
+    ResumedRequest,
+    SchedulerStep,
+)
+from kvstate.variants import Variant, get_variant
+
+
+def token_for(req_id: str, position: int, salt: int = 0) -> int:
+    """Deterministic "sampled" token ids (no global randomness)."""
+    return (sum(map(ord, req_id)) * 7919 + position * 104729 + salt * 15485863) % 50000
+
+
+def rank_content(block_content: str, rank: int, put_step: int, group: int) -> str:
+    """What rank ``rank`` holds for a block: its shard of the block's KV."""
+    if not block_content:
+        return "empty"
+    return f"{block_content}|ns{rank // put_step}|g{group}"
+
+
+class EngineRequest:
+    __slots__ = (
+        "req_id", "prompt", "tokens", "max_new_tokens", "computed", "blocks", "chain",
+        "sent_hashes", "status", "resume", "pending_load", "load_async", "lookup",
+    )
+
+    def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
+                 num_groups: int, hash_block: int) -> None:
+        self.req_id = req_id
+        self.prompt = tuple(prompt)
+        self.tokens: list[int] = list(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.computed = 0
+        self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
+        self.chain = HashChain(hash_block)
+        self.sent_hashes = 0
+        self.status = "waiting"
+        self.resume = False
+        self.pending_load: int = 0
+        self.load_async = False
+        self.lookup = False
+
+
+class Harness:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        variant: str | Variant = "kvstate",
+        num_blocks: int = 256,
+        store: MemoryStore | None = None,
+        token_budget: int = 1 << 30,
+        monitor: Monitor | None = None,
+    ) -> None:
+        self.config = config
+        self.variant = get_variant(variant) if isinstance(variant, str) else variant
+        self.monitor = monitor if monitor is not None else Monitor(config)
+        self.log: list[Observation] = []
+        self.now = 0.0
+        self.pool = BlockPool(num_blocks, self.observe)
+        self.store = store if store is not None else MemoryStore()
+        self.planner = Planner(config, self.variant)
+        self.ranks = [
+            Executor(config, r, self.variant, clock=lambda: self.now, observer=self.observe)
+            for r in range(config.world_size)
+        ]
+        self.token_budget = token_budget
+        self.requests: dict[str, EngineRequest] = {}
+        self.outbox: list[Report] = []
+        self.current: dict[int, tuple[RankJob, ExistsCall | PutCall]] = {}
+        self.published: list = []
+        self.plans: list[Plan] = []
+        self._load_reports: list[LoadReport] = []
+
+    # ------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> None:
+        self.log.append(obs)
+        self.monitor.observe(obs)
+
+    def add(self, req_id: str, prompt: Sequence[int], max_new_tokens: int = 0, *,
+            lookup: bool = False, load_async: bool = False) -> None:
+        old = self.requests.get(req_id)
+        if old is not None and old.status != "finished":
+            raise ValueError(f"request {req_id!r} is still {old.status}")
+        req = EngineRequest(req_id, prompt, max_new_tokens, len(self.config.groups),
+                            self.config.hash_block)
+        req.lookup = lookup
+        req.load_async = load_async
+        self.requests[req_id] = req
+
+    # ------------------------------------------------------------------
+    # One engine step.
+
+    def step(self, *, preempt: Iterable[str] = (), finish: Iterable[str] = (),
+             hold: Iterable[str] = ()) -> Plan:
+        self.deliver_reports()
+        config = self.config
+        bs = config.block_size
+        budget = self.token_budget
+        hold = set(hold)
+        finished = list(finish)
+        for req in self.requests.values():
+            if (req.status == "running" and req.computed >= len(req.prompt)
+                    and len(req.tokens) - len(req.prompt) >= req.max_new_tokens
+                    and req.computed >= len(req.tokens) - 1 and req.req_id not in finished):
+                finished.append(req.req_id)
+        preempted = list(preempt)
+        engine_frees: list[int] = []
+        for req_id in finished:
+            req = self.requests[req_id]
+            for table in req.blocks:
+                engine_frees.extend(reversed(table))
+            req.blocks = [[] for _ in config.groups]
+            req.status = "finished"
+        for req_id in preempted:
+            req = self.requests[req_id]
+            for table in req.blocks:
+                engine_frees.extend(reversed(table))
+            req.blocks = [[] for _ in config.groups]
+            req.computed = 0
+            req.chain = HashChain(config.hash_block)
+            req.sent_hashes = 0
+            req.status = "waiting"
+            req.resume = True
+
+        new: list[NewRequest] = []
+        resumed: list[ResumedRequest] = []
+        cached: list[CachedRequest] = []
+        forward: list[tuple[EngineRequest, int]] = []
+        for req in self.requests.values():
+            if req.req_id in hold or req.req_id in preempted or budget <= 0:
+                continue
+            if req.status == "running":
+                if req.computed < len(req.prompt):
+                    n = min(len(req.prompt) - req.computed, budget)
+                else:
+                    n = 1
+                if req.computed + n > len(req.tokens):
+                    continue
+                new_blocks = self._grow(req, req.computed + n)
+                if new_blocks is None:
+                    continue
+                ids = tuple(req.tokens[req.computed:req.computed + n])
+                fresh = tuple(req.chain.extend(ids))
+                cached.append(CachedRequest(req.req_id, req.computed, ids, new_blocks, fresh))
+                budget -= n
+                forward.append((req, n))
+            elif req.status == "waiting":
+                admitted = self._admit(req, budget)
+                if admitted is None:
+                    continue
+                record, n = admitted
+                if isinstance(record, ResumedRequest):
+                    resumed.append(record)
+                else:
+                    new.append(record)
+                budget -= n
+                forward.append((req, n))
+
+        sched = SchedulerStep(tuple(new), tuple(cached), tuple(resumed), tuple(preempted),
+                              tuple(finished))
+        self.observe(StepScheduled(sched))
+        plan = self.planner.step(sched)
+        self.plans.append(plan)
+        self.observe(Planned(plan))
+        self.pool.ref(plan.pins)
+        self.pool.unref(engine_frees)
+        self.pool.unref(plan.releases)
+        for executor in self.ranks:
+            for call in executor.receive(plan):
+                self._load(executor, call)
+        self._finish_loads()
+        for req, n in forward:
+            self._forward(req, n)
+        self.now += 1.0
+        return plan
+
+    def _grow(self, req: EngineRequest, tokens: int) -> tuple[tuple[int, ...], ...] | None:
+        need = cdiv(tokens, self.config.block_size) - len(req.blocks[0])
+        if need <= 0:
+            return tuple(() for _ in req.blocks)
+        out: list[tuple[int, ...]] = []
+        if need * len(req.blocks) > self.pool.num_free:
+            return None
+        for table in req.blocks:
+            got = self.pool.allocate(need, req.req_id)
+            assert got is not None
+            table.extend(got)
+            out.append(tuple(got))
+        return tuple(out)
+
+    def _admit(self, req: EngineRequest, budget: int) -> tuple[NewRequest | ResumedRequest, int] | None:
+        """Schedule a waiting request: a resumption recomputes everything it
+        knew; a new request may first look the store up and load a hit."""
+        config = self.config
+        if req.resume:
+            n = min(len(req.tokens), budget)
+            if self._grow(req, n) is None:
+                return None
+            req.resume = False
+            req.status = "running"
+            req.chain = HashChain(config.hash_block)
+            hashes = tuple(req.chain.extend(req.tokens[:n]))
+            return ResumedRequest(req.req_id, tuple(req.tokens), 0, n,
+                                  tuple(tuple(t) for t in req.blocks), hashes), n
+        if req.status == "waiting" and req.pending_load:
+            # Loaded asynchronously while parked: scheduled now from the hit on.
+            hit = req.computed
+        else:
+            hit = 0
+            if req.lookup:
+                hashes_all = HashChain(config.hash_block, req.prompt).hashes
+                query = self.planner.lookup(req.req_id, len(req.prompt), hashes_all)
+                present = tuple(self.store.exists(-1, query.keys))
+                hit = self.planner.lookup_answered(query, present)
+                self.observe(LookupDone(req.req_id, query.generation, query.keys, present, hit))
+            if self._grow(req, max(hit, min(len(req.prompt), hit + budget))) is None:
+                return None
+            self.planner.allocate(req.req_id, req.blocks, 0, hit, req.load_async and hit > 0)
+            req.computed = hit
+            if hit and req.load_async:
+                req.pending_load = hit
+                req.status = "parked"
+                return None
+        req.pending_load = 0
+        n = min(len(req.prompt) - hit, budget)
+        if self._grow(req, hit + n) is None:
+            return None
+        req.status = "running"
+        req.chain = HashChain(config.hash_block)
+        hashes = tuple(req.chain.extend(req.tokens[:hit + n]))
+        return NewRequest(req.req_id, req.prompt, hit, n,
+                          tuple(tuple(t) for t in req.blocks), hashes), n
+
+    def _forward(self, req: EngineRequest, n: int) -> None:
+        """The model ran: blocks filled by this step get their content."""
+        config = self.config
+        bs = config.block_size
+        before = req.computed
+        req.computed += n
+        for idx in range(before // bs, req.computed // bs):
+            digest = chunk_hash(req.chain.hashes, idx, config.hashes_per_block).hex()
+            for table in req.blocks:
+                self.pool.write(table[idx], digest)
+        if req.computed >= len(req.prompt) and req.computed >= len(req.tokens):
+            if len(req.tokens) - len(req.prompt) < req.max_new_tokens:
+                req.tokens.append(token_for(req.req_id, len(req.tokens)))
+
+    # ------------------------------------------------------------------
+    # Loads.
+
+    def _load(self, executor: Executor, call: GetCall) -> None:
+        ok: list[bool] = []
+        for key, group, block in zip(call.keys, call.groups, call.block_ids):
+            got = self.store.get(executor.rank, key)
+            good = got is not None and got.split("|", 1)[0] == key.rsplit("@", 1)[1]
+            ok.append(good)
+            self.pool.write(block, got.split("|", 1)[0] if good and got else "")
+        report = executor.load_answered(call, ok)
+        failed = tuple(b for b, good in zip(call.block_ids, ok) if not good)
+        self.observe(LoadDone(executor.rank, call.req_id, call.generation, failed,
+                              report.failed_block_ids))
+        self._load_reports.append(report)
+
+    def _finish_loads(self) -> None:
+        if not self._load_reports:
+            return
+        results = self.planner.on_load_reports(self._load_reports)
+        self._load_reports = []
+        bs = self.config.block_size
+        for result in results:
+            req = self.requests.get(result.req_id)
+            if req is None:
+                continue
+            # The engine recomputes exactly the blocks reported as failed.
+            chain = HashChain(self.config.hash_block, req.prompt)
+            for table in req.blocks:
+                for idx, block in enumerate(table):
+                    if block in result.failed_block_ids and (idx + 1) * bs <= len(req.prompt):
+                        self.pool.write(
+                            block, chunk_hash(chain.hashes, idx, self.config.hashes_per_block).hex())
+            if req.status == "parked":
+                req.status = "waiting"  # pending_load stays set: admitted from the hit
+
+    # ------------------------------------------------------------------
+    # Ranks.
+
+    def advance(self, rank: int) -> str:
+        """Perform the next store call of ``rank``'s current job (dequeueing
+        one if idle). Returns what happened: idle, exists, put, reported."""
+        executor = self.ranks[rank]
+        current = self.current.get(rank)
+        if current is None:
+            job = executor.dequeue()
+            if job is None:
+                return "idle"
+            return self._handle(rank, job, executor.start(job))
+        job, call = current
+        del self.current[rank]
+        try:
+            if isinstance(call, ExistsCall):
+                present = tuple(self.store.exists(rank, call.keys))
+                self.observe(ExistsAnswered(rank, job.meta.job_id, call.keys, present))
+                return self._handle(rank, job, executor.exists_answered(job, present))
+            codes = []
+            for key, group, block, cid in zip(call.keys, call.groups, call.block_ids,
+                                              call.chunk_ids):
+                content = rank_content(self.pool.content[block], rank, self.config.put_step, group)
+                code, accepted = self.store.put(rank, key, content)
+                codes.append(code)
+                self.observe(PutDone(rank, job.meta.job_id, job.meta.req_id,
+                                     job.meta.generation, key, group, cid, block, content,
+                                     code, accepted))
+            return self._handle(rank, job, executor.put_answered(job, codes))
+        except StoreRaised as exc:
+            return self._handle(rank, job, executor.raised(job, str(exc)))
+
+    def _handle(self, rank: int, job: RankJob, out: ExistsCall | PutCall | Report | None) -> str:
+        if out is None:
+            return "lost"
+        if isinstance(out, Report):
+            self.outbox.append(out)
+            return "reported"
+        self.current[rank] = (job, out)
+        return "exists" if isinstance(out, ExistsCall) else "put"
+
+    def run_rank(self, rank: int, max_calls: int = 1 << 30) -> None:
+        for _ in range(max_calls):
+            if self.advance(rank) == "idle":
+                return
+
+    def run_ranks(self) -> None:
+        for rank in range(len(self.ranks)):
+            self.run_rank(rank)
+
+    def deliver_reports(self) -> None:
+        if not self.outbox:
+            return
+        reports, self.outbox = self.outbox, []
+        for report in reports:
+            self.observe(ReportDelivered(report))
+        settlement = self.planner.on_reports(reports)
+        self.pool.unref(settlement.releases)
+        self.published.extend(settlement.published)
+        self.observe(Settled(settlement))
+
+    def run(self, steps: int, *, ranks: bool = True) -> None:
+        for _ in range(steps):
+            self.step()
+            if ranks:
+                self.run_ranks()
+
+    def settle(self, max_steps: int = 10_000) -> Quiescent:
+        """Run until nothing is left to do, then hand monitors the liveness check."""
+        for _ in range(max_steps):
+            self.run_ranks()
+            busy = any(r.status in ("running", "waiting", "parked") for r in self.requests.values())
+            if not busy and not self.outbox and not any(e.queue for e in self.ranks) \
+                    and not self.current:
+                break
+            self.step()
+        self.deliver_reports()
+        leftovers: list[tuple[str, int]] = []
+        for name, value in self.planner.live_state_size().items():
+            if value:
+                leftovers.append((f"planner.{name}", value))
+        for executor in self.ranks:
+            for name, value in executor.live_state_size().items():
+                if value:
+                    leftovers.append((f"rank{executor.rank}.{name}", value))
+        pinned = sum(1 for b, r in enumerate(self.pool.refs) if b and r > 0)
+        quiet = Quiescent(pinned, tuple(leftovers))
+        self.observe(quiet)
+        return quiet

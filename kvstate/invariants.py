@@ -1,0 +1,503 @@
+"""The invariant catalogue and the monitor that checks it.
+
+Every invariant the project knows is one ``Invariant`` record in ``CATALOGUE``:
+its id (``S1``–``S23`` from REFERENCE.md §6, ``K1``… for kvstate's own), a
+one-line statement, whether it is a safety or a liveness property, which
+observation checks it, the variant or fault that breaks it (a check that
+cannot fail is a defect: `tests/test_invariants.py` runs each breaker and
+requires the check to fire, and runs the default protocol through the same
+scenario and requires silence) and the upstream issue it comes from.
+`specs/invariants.md` is generated from this table and a test keeps it in sync.
+
+``Monitor`` consumes observations (`kvstate.observations`) one at a time and
+keeps only what the checks need: per-job and per-generation records that it
+forgets when the job or generation settles, so a long simulation's monitor
+stays small. It never raises on a violation; it records a ``Finding`` with the
+invariant id, the index of the observation that broke it and a message. The
+simulator, the trace checker and the scenario tests all read ``findings``.
+
+S5 ("no job dequeued without a ledger entry") has no checker: the executor
+registers a job in the same call that enqueues it, so there is no window to
+observe (it matters again for the threaded adapter, which drives the same
+``receive``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import attrs
+
+from kvstate.config import ConnectorConfig
+from kvstate.events import BlockStored
+from kvstate.keys import block_hash, chunk_hash, key_prefix
+from kvstate.observations import (
+    BlockAllocated,
+    BlockFreed,
+    ExistsAnswered,
+    JobFinished,
+    JobStarted,
+    KeyEvicted,
+    LoadDone,
+    LookupDone,
+    Observation,
+    Planned,
+    PutDone,
+    Quiescent,
+    ReportDelivered,
+    Settled,
+    StateWritten,
+    StepScheduled,
+)
+from kvstate.records import GenKey, Plan
+
+
+@attrs.frozen(slots=True)
+class Invariant:
+    id: str
+    statement: str
+    kind: str  # "safety" | "liveness"
+    checked_at: str
+    broken_by: str
+    scenario: str
+    upstream: str
+
+
+@attrs.frozen(slots=True)
+class Finding:
+    invariant: str
+    event_index: int
+    message: str
+
+
+CATALOGUE: tuple[Invariant, ...] = (
+    Invariant("S1", "No store job reads an engine block that was freed after the job was emitted",
+              "safety", "PutDone", "e1", "preempt-running-job", "vLLM#52360"),
+    Invariant("S2", "Every block a job reads is pinned while it reads it", "safety", "PutDone",
+              "no-pins-on-preemption", "preempt-running-job", "vLLM#52372"),
+    Invariant("S3", "A job of an older generation never writes the saved offset, skip or retry "
+              "state a newer generation of its request id reads", "safety", "StateWritten",
+              "req-id-counter-ledger", "reuse-with-stale-job", "vLLM#51637"),
+    Invariant("S4", "Each rank reports each job exactly once", "safety+liveness",
+              "ReportDelivered, Settled, Quiescent", "missing-finally", "store-raises",
+              "vLLM#43742"),
+    Invariant("S6", "Every pin is eventually released", "liveness", "Quiescent",
+              "missing-finally", "store-raises", "vLLM#43742"),
+    Invariant("S7", "Only full blocks of computed tokens are saved, aligned to the lcm",
+              "safety", "Planned, PutDone", "fault: a meta beyond the computed tokens",
+              "synthetic", "LMCache#2929"),
+    Invariant("S8", "A key depends only on prefix hash, model, rank namespace and group",
+              "safety", "PutDone", "key-without-rank", "decode-save", "vLLM#56971"),
+    Invariant("S9", "No job puts a key the store already holds without checking it first",
+              "safety", "PutDone", "skip-exists-check", "shared-prefix", "seed 2"),
+    Invariant("S10", "A range a rank skipped or failed is retried by the generation's next "
+              "live job on that rank", "safety", "JobStarted", "advance-offset-on-failure",
+              "partial-put-failure", "seed 2"),
+    Invariant("S11", "TP-strided chunks go to the rank owning their absolute chunk id",
+              "safety", "JobFinished", "stride-by-relative-chunk", "strided-partial-failure",
+              "seed 2"),
+    Invariant("S12", "A rank's saved offset never exceeds the scheduler's mark for the "
+              "generation and never moves backwards", "safety", "JobStarted, StateWritten",
+              "e2", "reuse-with-stale-job", "vLLM#52372"),
+    Invariant("S13", "No save job is emitted in a step that loads the same generation",
+              "safety", "Planned", "save-on-loading-step", "load-hit", "REFERENCE §2"),
+    Invariant("S14", "A consumer saves only decode tokens, and only with save_decode_cache",
+              "safety", "Planned", "consumer-saves-prefill", "consumer-backfill",
+              "vLLM#52466"),
+    Invariant("S15", "A KV event's parent is the chunk's predecessor in the request's hash "
+              "chain", "safety", "JobFinished", "parent-previous-emitted", "shared-prefix",
+              "vLLM#52466, vllm-ascend#12012"),
+    Invariant("S16", "A published event's chunk is stored in every rank namespace",
+              "safety", "Settled", "e2", "exists-put-race", "REFERENCE §11"),
+    Invariant("S17", "A KV event's token ids are the chunk's tokens, or empty", "safety",
+              "JobFinished", "retry-keyed-by-request", "reuse-with-failed-retry",
+              "vLLM#52466"),
+    Invariant("S18", "Ledger entries of finished requests are eventually deleted", "liveness",
+              "Quiescent", "req-id-counter-ledger", "reuse-with-stale-job", "vLLM#51662"),
+    Invariant("S19", "Every failed load is reported so the engine recomputes it", "safety",
+              "LoadDone", "swallow-load-errors", "load-evicted", "REFERENCE §2"),
+    Invariant("S20", "A lookup hit was present in every rank namespace at lookup time",
+              "safety", "LookupDone", "lookup-first-namespace", "lookup-partial-namespace",
+              "REFERENCE §2"),
+    Invariant("S21", "After a generation ends, no job dequeued later puts for it", "safety",
+              "PutDone", "req-id-counter-ledger", "preempt-with-queued-job", "vLLM#51637"),
+    Invariant("S22", "Store job ids strictly increase and are never reused", "safety",
+              "Planned", "fault: a plan repeating a job id", "synthetic", "vLLM#52372"),
+    Invariant("S23", "A request is never scheduled in the step it is preempted", "safety",
+              "Planned", "fault: engine schedules a preempted request", "synthetic",
+              "REFERENCE §6"),
+    Invariant("K1", "The content stored under a key is exactly that key's prefix shard",
+              "safety", "PutDone", "e1", "preempt-running-job", "vLLM#52360"),
+    Invariant("K2", "A job reads only its own generation's rank state", "safety", "JobStarted",
+              "e2", "reuse-with-stale-job", "vLLM#51637"),
+    Invariant("K3", "At quiescence nothing is left: no pins, jobs, ledger entries, trackers "
+              "or pending events", "liveness", "Quiescent", "e2", "exists-put-race",
+              "REFERENCE §11"),
+    Invariant("K4", "A consumer that rejects orphans accepts every published event",
+              "safety", "Settled", "e2", "strided-events", "Dynamo#671"),
+    Invariant("K5", "Every save job covers at least one new full block", "safety", "Planned",
+              "boundary-without-plus-one", "decode-save", "LMCache#653"),
+    Invariant("K6", "A generation skipped for store pressure is retried once the backoff "
+              "expired", "liveness", "JobFinished", "e2", "pressure-idle", "DESIGN §3.4"),
+)
+
+INVARIANTS: dict[str, Invariant] = {inv.id: inv for inv in CATALOGUE}
+
+
+def _key_fields(key: str) -> tuple[str, int, int]:
+    """(hash hex, namespace, group) of a store key."""
+    head, digest = key.rsplit("@", 1)
+    ns = int(head.split("@tp_rank:", 1)[1].split("@", 1)[0])
+    group = int(head.rsplit("@group:", 1)[1])
+    return digest, ns, group
+
+
+def expected_content(key: str) -> str:
+    digest, ns, group = _key_fields(key)
+    return f"{digest}|ns{ns}|g{group}"
+
+
+class _Gen:
+    """What the monitor knows about one request generation."""
+
+    __slots__ = ("mark", "hashes", "computed", "ended_at")
+
+    def __init__(self) -> None:
+        self.mark = 0
+        self.hashes: list[bytes] = []
+        self.computed = 0
+        self.ended_at: int | None = None
+
+
+class _Job:
+    __slots__ = ("gen", "emitted_at", "started_at", "token_len", "checked", "reports")
+
+    def __init__(self, gen: GenKey, emitted_at: int) -> None:
+        self.gen = gen
+        self.emitted_at = emitted_at
+        self.started_at: dict[int, int] = {}
+        self.token_len = 0
+        self.checked: dict[int, set[str]] = {}
+        self.reports: set[int] = set()
+
+
+class Monitor:
+    def __init__(self, config: ConnectorConfig, only: Sequence[str] | None = None) -> None:
+        self.config = config
+        self.enabled = frozenset(only) if only is not None else frozenset(INVARIANTS)
+        self.findings: list[Finding] = []
+        self.index = -1
+        self.gens: dict[GenKey, _Gen] = {}
+        self.current: dict[str, int] = {}
+        self.jobs: dict[int, _Job] = {}
+        self.last_job_id = 0
+        self.pinned: Counter[int] = Counter()
+        self.free: set[int] = set()
+        self.freed_at: dict[int, int] = {}
+        self.store: set[str] = set()
+        self.frontier: dict[tuple[int, GenKey], int] = {}
+        self.offsets: dict[tuple[int, str, int | None], int] = {}
+        self.known_blocks: set[bytes] = set()
+        self._computed_next: dict[str, int] = {}
+        self._prefixes = {
+            (r, g): key_prefix(config, r, g)
+            for r in range(config.world_size) for g in range(len(config.groups))
+        }
+
+    # ------------------------------------------------------------------
+
+    def fail(self, invariant: str, message: str) -> None:
+        if invariant in self.enabled:
+            self.findings.append(Finding(invariant, self.index, message))
+
+    def fired(self) -> set[str]:
+        return {f.invariant for f in self.findings}
+
+    def observe(self, obs: Observation) -> None:
+        self.index += 1
+        handler = getattr(self, "_on_" + type(obs).__name__, None)
+        if handler is not None:
+            handler(obs)
+
+    # ------------------------------------------------------------------
+    # Scheduler side.
+
+    def _on_StepScheduled(self, obs: StepScheduled) -> None:
+        step = obs.step
+        nxt = self._computed_next
+        nxt.clear()
+        for new in step.new:
+            nxt[new.req_id] = new.num_computed_tokens + new.num_scheduled_tokens
+        for res in step.resumed:
+            nxt[res.req_id] = res.num_computed_tokens + res.num_scheduled_tokens
+        for cached in step.cached:
+            nxt[cached.req_id] = cached.num_computed_tokens + len(cached.new_token_ids)
+
+    def _gen(self, key: GenKey) -> _Gen:
+        gen = self.gens.get(key)
+        if gen is None:
+            gen = self.gens[key] = _Gen()
+        return gen
+
+    def _on_Planned(self, obs: Planned) -> None:
+        plan: Plan = obs.plan
+        config = self.config
+        for v in plan.violations:
+            self.fail(v.invariant, v.message)
+        for end in plan.ended:
+            self._gen((end.req_id, end.generation)).ended_at = self.index
+        for start in plan.started:
+            self.current[start.req_id] = start.generation
+            self._gen((start.req_id, start.generation))
+        for req_id, computed in self._computed_next.items():
+            gen_no = self.current.get(req_id)
+            if gen_no is not None:
+                self._gen((req_id, gen_no)).computed = computed
+        loading = {(load.req_id, load.generation) for load in plan.loads}
+        for meta in plan.saves:
+            key = (meta.req_id, meta.generation)
+            gen = self._gen(key)
+            if meta.job_id <= self.last_job_id:
+                self.fail("S22", f"job id {meta.job_id} after job id {self.last_job_id}")
+            self.last_job_id = max(self.last_job_id, meta.job_id)
+            if meta.token_len % config.block_size or meta.token_len > gen.computed:
+                self.fail("S7", f"job {meta.job_id} saves up to token {meta.token_len}; "
+                          f"{gen.computed} tokens computed, block size {config.block_size}")
+            if meta.token_len <= meta.token_ids_start or (
+                    meta.token_ids_start // config.block_size == meta.token_len // config.block_size):
+                self.fail("K5", f"job {meta.job_id} of {key} covers tokens "
+                          f"[{meta.token_ids_start}, {meta.token_len}): no new full block")
+            if key in loading:
+                self.fail("S13", f"job {meta.job_id} saves {key} in the step that loads it")
+            if config.is_consumer and not (meta.is_decode and config.save_decode_cache):
+                self.fail("S14", f"consumer emitted job {meta.job_id} for {key} "
+                          f"(decode={meta.is_decode}, save_decode_cache={config.save_decode_cache})")
+            gen.mark = max(gen.mark, meta.token_len)
+            gen.hashes[meta.hashes_start:] = meta.block_hashes
+            self.jobs[meta.job_id] = _Job(key, self.index)
+        for block in plan.pins:
+            self.pinned[block] += 1
+        self._release(plan.releases)
+
+    def _release(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self.pinned[block] -= 1
+            if self.pinned[block] <= 0:
+                del self.pinned[block]
+
+    def _on_Settled(self, obs: Settled) -> None:
+        settlement = obs.settlement
+        for v in settlement.violations:
+            self.fail(v.invariant, v.message)
+        self._release(settlement.releases)
+        for job_id in settlement.released_jobs:
+            self.jobs.pop(job_id, None)
+        for event in settlement.published:
+            self._published(event)
+
+    def _published(self, event: BlockStored) -> None:
+        digest = event.block_hashes[-1]
+        for ns in range(self.config.num_namespaces):
+            key = f"{key_prefix(self.config, ns * self.config.put_step, event.group_idx)}@{digest.hex()}"
+            if key not in self.store:
+                self.fail("S16", f"event for {digest.hex()} published but {key} is not stored")
+                break
+        parent = event.parent_block_hash
+        if parent is not None and parent not in self.known_blocks:
+            self.fail("K4", f"event for {digest.hex()} names parent {parent.hex()}, which no "
+                      "earlier event announced (an orphan)")
+        self.known_blocks.add(digest)
+
+    # ------------------------------------------------------------------
+    # Rank side.
+
+    def _on_JobStarted(self, obs: JobStarted) -> None:
+        job = self.jobs.get(obs.job_id)
+        if job is None:
+            self.fail("S4", f"rank {obs.rank} started job {obs.job_id}, which is not outstanding")
+            return
+        job.started_at[obs.rank] = self.index
+        job.token_len = obs.token_len
+        gen_key = (obs.req_id, obs.generation)
+        gen = self.gens.get(gen_key)
+        if not obs.live:
+            return
+        if gen is not None and obs.save_start > gen.mark:
+            self.fail("S12", f"rank {obs.rank} job {obs.job_id} of {gen_key} resumes at offset "
+                      f"{obs.save_start}, beyond the generation's mark {gen.mark}")
+        for what, writer in (("state", obs.state_generation), ("retry suffix", obs.retry_generation)):
+            if writer is not None and writer != obs.generation:
+                self.fail("K2", f"rank {obs.rank} job {obs.job_id} of generation "
+                          f"{obs.generation} reads the {what} of generation {writer}")
+        frontier = self.frontier.get((obs.rank, gen_key), 0)
+        if obs.save_start > frontier:
+            self.fail("S10", f"rank {obs.rank} job {obs.job_id} of {gen_key} starts at "
+                      f"{obs.save_start} but has really saved only up to {frontier}")
+
+    def _on_StateWritten(self, obs: StateWritten) -> None:
+        newest = self.current.get(obs.req_id)
+        if newest is not None and newest != obs.generation and (
+                obs.scope_generation is None or obs.scope_generation == newest):
+            self.fail("S3", f"rank {obs.rank} job {obs.job_id} of generation {obs.generation} "
+                      f"wrote the {obs.field} of {obs.req_id!r}, now generation {newest}")
+        if obs.field == "offset":
+            key = (obs.rank, obs.req_id, obs.scope_generation)
+            before = self.offsets.get(key, 0)
+            if obs.value < before:
+                self.fail("S12", f"rank {obs.rank} offset of {obs.req_id!r} moved back "
+                          f"{before} -> {obs.value} (job {obs.job_id})")
+            self.offsets[key] = obs.value
+
+    def _on_ExistsAnswered(self, obs: ExistsAnswered) -> None:
+        job = self.jobs.get(obs.job_id)
+        if job is not None:
+            job.checked.setdefault(obs.rank, set()).update(obs.keys)
+
+    def _on_PutDone(self, obs: PutDone) -> None:
+        config = self.config
+        job = self.jobs.get(obs.job_id)
+        gen_key = (obs.req_id, obs.generation)
+        gen = self.gens.get(gen_key)
+        if job is not None:
+            if obs.block_id in self.free or self.freed_at.get(obs.block_id, -1) > job.emitted_at:
+                self.fail("S1", f"rank {obs.rank} job {obs.job_id} read block {obs.block_id}, "
+                          "freed after the job was emitted")
+            if (gen is not None and gen.ended_at is not None
+                    and job.started_at.get(obs.rank, -1) > gen.ended_at):
+                self.fail("S21", f"rank {obs.rank} job {obs.job_id} dequeued after {gen_key} "
+                          "ended and still put")
+            if obs.accepted is False and obs.code == 0 and obs.key not in job.checked.get(
+                    obs.rank, ()):
+                self.fail("S9", f"rank {obs.rank} job {obs.job_id} put {obs.key} unchecked; "
+                          "the store already held it")
+            if (obs.chunk_id + 1) * config.block_size > max(job.token_len, 0):
+                self.fail("S7", f"rank {obs.rank} job {obs.job_id} put chunk {obs.chunk_id} "
+                          f"beyond its aligned length {job.token_len}")
+        if self.pinned.get(obs.block_id, 0) <= 0:
+            self.fail("S2", f"rank {obs.rank} job {obs.job_id} read block {obs.block_id}, "
+                      "which no pin holds")
+        if gen is not None and (obs.chunk_id + 1) * config.hashes_per_block <= len(gen.hashes):
+            digest = chunk_hash(gen.hashes, obs.chunk_id, config.hashes_per_block)
+            expected = f"{self._prefixes[(obs.rank, obs.group)]}@{digest.hex()}"
+            if obs.key != expected:
+                self.fail("S8", f"rank {obs.rank} put chunk {obs.chunk_id} of {gen_key} under "
+                          f"{obs.key!r}, expected {expected!r}")
+        if obs.accepted:
+            if obs.content != expected_content(obs.key):
+                self.fail("K1", f"rank {obs.rank} job {obs.job_id} stored {obs.content!r} "
+                          f"under {obs.key!r}")
+            self.store.add(obs.key)
+
+    def _on_JobFinished(self, obs: JobFinished) -> None:
+        config = self.config
+        gen_key = (obs.req_id, obs.generation)
+        gen = self.gens.get(gen_key)
+        step = config.put_step
+        for group, cid in obs.stored + obs.failed:
+            if cid % step != (obs.rank + group) % step:
+                self.fail("S11", f"rank {obs.rank} handled chunk {cid} of group {group}, owned "
+                          f"by stride residue {cid % step}")
+        if obs.outcome in ("stored", "partially_stored", "failed") and obs.save_start <= \
+                self.frontier.get((obs.rank, gen_key), 0):
+            if not obs.failed and obs.outcome == "stored":
+                self.frontier[(obs.rank, gen_key)] = obs.token_len
+            elif obs.failed:
+                first_failed = min(cid for _, cid in obs.failed) * config.block_size
+                self.frontier[(obs.rank, gen_key)] = max(
+                    self.frontier.get((obs.rank, gen_key), 0),
+                    min(first_failed, obs.token_len))
+        if obs.outcome == "skipped" and obs.skipped_since is not None and \
+                obs.now - obs.skipped_since >= config.pressure_backoff:
+            self.fail("K6", f"rank {obs.rank} skipped job {obs.job_id} of {gen_key}: skipped "
+                      f"since {obs.skipped_since}, now {obs.now}, backoff "
+                      f"{config.pressure_backoff}")
+        if gen is None:
+            return
+        for event in obs.events:
+            self._check_event(obs, gen, event)
+
+    def _check_event(self, obs: JobFinished, gen: _Gen, event: BlockStored) -> None:
+        config = self.config
+        digest = event.block_hashes[-1]
+        try:
+            index = gen.hashes.index(digest)
+        except ValueError:
+            self.fail("S15", f"rank {obs.rank} announced {digest.hex()}, not in the hash chain "
+                      f"of {(obs.req_id, obs.generation)}")
+            return
+        expected = gen.hashes[index - config.hashes_per_block] if index >= config.hashes_per_block else None
+        if event.parent_block_hash != expected:
+            self.fail("S15", f"rank {obs.rank} announced {digest.hex()} with parent "
+                      f"{event.parent_block_hash.hex() if event.parent_block_hash else None}, "
+                      f"expected {expected.hex() if expected else None}")
+        if event.token_ids:
+            parent = gen.hashes[index - config.hashes_per_block] if index >= config.hashes_per_block else None
+            ids = list(event.token_ids)
+            size = config.hash_block
+            digest_now = parent
+            for i in range(0, len(ids), size):
+                digest_now = block_hash(digest_now, ids[i:i + size])
+            if len(ids) != config.block_size or digest_now != digest:
+                self.fail("S17", f"rank {obs.rank} announced {digest.hex()} with token ids "
+                          "that do not hash to it")
+
+    def _on_ReportDelivered(self, obs: ReportDelivered) -> None:
+        report = obs.report
+        job = self.jobs.get(report.job_id)
+        if job is None:
+            return  # unknown jobs are the planner's S4 finding
+        if report.rank in job.reports:
+            self.fail("S4", f"rank {report.rank} reported job {report.job_id} twice")
+        job.reports.add(report.rank)
+
+    # ------------------------------------------------------------------
+    # Engine and store.
+
+    def _on_BlockFreed(self, obs: BlockFreed) -> None:
+        self.free.add(obs.block_id)
+        self.freed_at[obs.block_id] = self.index
+
+    def _on_BlockAllocated(self, obs: BlockAllocated) -> None:
+        self.free.discard(obs.block_id)
+
+    def _on_KeyEvicted(self, obs: KeyEvicted) -> None:
+        self.store.discard(obs.key)
+
+    def _on_LookupDone(self, obs: LookupDone) -> None:
+        config = self.config
+        hit_chunks = -(-obs.hit_tokens // config.block_size)
+        # Lookup keys are chunk-major: collect the chunk digests in order, then
+        # require every namespace's and group's key of each hit chunk.
+        hashes_seen: list[str] = []
+        for key in obs.keys:
+            digest = key.rsplit("@", 1)[1]
+            if not hashes_seen or hashes_seen[-1] != digest:
+                hashes_seen.append(digest)
+        for digest in hashes_seen[:hit_chunks]:
+            for ns in range(config.num_namespaces):
+                for g in range(len(config.groups)):
+                    key = f"{key_prefix(config, ns * config.put_step, g)}@{digest}"
+                    if key not in self.store:
+                        self.fail("S20", f"lookup of {obs.req_id!r} counted {digest} as a hit "
+                                  f"but {key} was not stored")
+
+    def _on_LoadDone(self, obs: LoadDone) -> None:
+        missing = set(obs.failed_block_ids) - set(obs.reported_block_ids)
+        if missing:
+            self.fail("S19", f"rank {obs.rank} failed to load blocks {sorted(missing)} of "
+                      f"{obs.req_id!r} and did not report them")
+
+    def _on_Quiescent(self, obs: Quiescent) -> None:
+        if obs.pinned_blocks or self.pinned:
+            self.fail("S6", f"{max(obs.pinned_blocks, len(self.pinned))} blocks still pinned at "
+                      "quiescence")
+        for job_id, job in self.jobs.items():
+            missing = set(range(self.config.world_size)) - job.reports
+            if missing:
+                self.fail("S4", f"job {job_id} never reported by ranks {sorted(missing)}")
+        for name, count in obs.leftovers:
+            if ".ledger_entries" in name:
+                self.fail("S18", f"{name}={count} at quiescence")
+        if obs.leftovers:
+            self.fail("K3", "left at quiescence: " + ", ".join(f"{n}={c}" for n, c in obs.leftovers))

@@ -1,0 +1,209 @@
+"""A rank's ledger: which store jobs are live, and the per-request state they own.
+
+The ledger answers one question on every write a job makes — *is this job
+still live?* — and owns the per-request state (saved offset, retry suffix,
+pressure skip, block-table mirror) that only live jobs may touch.
+
+Three ledgers, one per era (REFERENCE.md §1):
+
+``GenerationLedger`` (kvstate) keys everything by (request id, generation).
+    A job can only ever reach its own generation's state, so id reuse and
+    preemption cannot cross-contaminate; a finished generation keeps running its
+    queued jobs against its own offset while a reused id starts fresh.
+``RequestIdLedger`` (upstream E2) keys by request id with a set of live job
+    ids. Preemption drops the entry at once, so queued jobs become stale; a
+    finished id's entry is deleted only once drained — so a client reusing the
+    id before that shares the entry with the old generation's jobs.
+``CounterLedger`` (E0/E1) counts jobs per request id. A job of a retired
+    generation sees the new generation's count and believes itself live, and a
+    stale job's decrement drives a fresh entry negative (vLLM#51637).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvstate.records import GenKey, SaveMeta
+
+
+class RankRequest:
+    """Per-request state on one rank."""
+
+    __slots__ = (
+        "req_id",
+        "generation",
+        "live",
+        "count",
+        "saved_offset",
+        "retry",
+        "skipped_since",
+        "block_ids",
+        "hashes",
+    )
+
+    def __init__(self, req_id: str, generation: int, num_groups: int) -> None:
+        self.req_id = req_id
+        self.generation = generation
+        self.live: set[int] = set()
+        self.count = 0
+        self.saved_offset = 0
+        self.retry: tuple[int, tuple[int, ...], int] | None = None  # (start, ids, writer gen)
+        self.skipped_since: float | None = None
+        self.block_ids: list[list[int]] = [[] for _ in range(num_groups)]
+        self.hashes: list[bytes] = []
+
+
+class Ledger(Protocol):
+    #: ``True`` when an entry belongs to one generation; ``False`` when every
+    #: generation of a request id shares it (what monitors call the write's scope).
+    per_generation: bool
+
+    def register(self, meta: SaveMeta) -> RankRequest: ...
+
+    def live_entry(self, meta: SaveMeta) -> RankRequest | None: ...
+
+    def retire_job(self, meta: SaveMeta) -> None: ...
+
+    def preempt(self, gen: GenKey) -> RankRequest | None: ...
+
+    def finish(self, gen: GenKey) -> None: ...
+
+    def sweep(self) -> list[RankRequest]: ...
+
+    def __len__(self) -> int: ...
+
+
+class GenerationLedger:
+    per_generation = True
+
+    __slots__ = ("num_groups", "entries", "finishing")
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.entries: dict[GenKey, RankRequest] = {}
+        self.finishing: set[GenKey] = set()
+
+    def register(self, meta: SaveMeta) -> RankRequest:
+        key = (meta.req_id, meta.generation)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = RankRequest(meta.req_id, meta.generation, self.num_groups)
+        entry.live.add(meta.job_id)
+        return entry
+
+    def live_entry(self, meta: SaveMeta) -> RankRequest | None:
+        entry = self.entries.get((meta.req_id, meta.generation))
+        if entry is not None and meta.job_id in entry.live:
+            return entry
+        return None
+
+    def retire_job(self, meta: SaveMeta) -> None:
+        entry = self.entries.get((meta.req_id, meta.generation))
+        if entry is not None:
+            entry.live.discard(meta.job_id)
+
+    def preempt(self, gen: GenKey) -> RankRequest | None:
+        self.finishing.discard(gen)
+        return self.entries.pop(gen, None)
+
+    def finish(self, gen: GenKey) -> None:
+        if gen in self.entries:
+            self.finishing.add(gen)
+
+    def sweep(self) -> list[RankRequest]:
+        gone: list[RankRequest] = []
+        if self.finishing:
+            for gen in [g for g in self.finishing if not self.entries[g].live]:
+                self.finishing.discard(gen)
+                gone.append(self.entries.pop(gen))
+        return gone
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class RequestIdLedger:
+    per_generation = False
+
+    __slots__ = ("num_groups", "entries", "finishing")
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.entries: dict[str, RankRequest] = {}
+        self.finishing: set[str] = set()
+
+    def register(self, meta: SaveMeta) -> RankRequest:
+        entry = self.entries.get(meta.req_id)
+        if entry is None:
+            entry = self.entries[meta.req_id] = RankRequest(
+                meta.req_id, meta.generation, self.num_groups
+            )
+        entry.live.add(meta.job_id)
+        return entry
+
+    def live_entry(self, meta: SaveMeta) -> RankRequest | None:
+        entry = self.entries.get(meta.req_id)
+        if entry is not None and meta.job_id in entry.live:
+            return entry
+        return None
+
+    def retire_job(self, meta: SaveMeta) -> None:
+        entry = self.entries.get(meta.req_id)
+        if entry is not None:
+            entry.live.discard(meta.job_id)
+
+    def preempt(self, gen: GenKey) -> RankRequest | None:
+        self.finishing.discard(gen[0])
+        return self.entries.pop(gen[0], None)
+
+    def finish(self, gen: GenKey) -> None:
+        if gen[0] in self.entries:
+            self.finishing.add(gen[0])
+
+    def sweep(self) -> list[RankRequest]:
+        gone: list[RankRequest] = []
+        if self.finishing:
+            for req_id in [r for r in self.finishing if not self.entries[r].live]:
+                self.finishing.discard(req_id)
+                gone.append(self.entries.pop(req_id))
+        return gone
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class CounterLedger(RequestIdLedger):
+    """``stored_requests[req_id] += 1`` (E0/E1): liveness is "count > 0"."""
+
+    __slots__ = ()
+
+    def register(self, meta: SaveMeta) -> RankRequest:
+        entry = self.entries.get(meta.req_id)
+        if entry is None:
+            entry = self.entries[meta.req_id] = RankRequest(
+                meta.req_id, meta.generation, self.num_groups
+            )
+        entry.count += 1
+        return entry
+
+    def live_entry(self, meta: SaveMeta) -> RankRequest | None:
+        entry = self.entries.get(meta.req_id)
+        return entry if entry is not None and entry.count > 0 else None
+
+    def retire_job(self, meta: SaveMeta) -> None:
+        entry = self.entries.get(meta.req_id)
+        if entry is None:
+            # The defaultdict of the original: a stale job's decrement after the
+            # entry was dropped recreates it below zero, and it never drains.
+            entry = self.entries[meta.req_id] = RankRequest(
+                meta.req_id, meta.generation, self.num_groups
+            )
+        entry.count -= 1
+
+    def sweep(self) -> list[RankRequest]:
+        gone: list[RankRequest] = []
+        if self.finishing:
+            for req_id in [r for r in self.finishing if self.entries[r].count == 0]:
+                self.finishing.discard(req_id)
+                gone.append(self.entries.pop(req_id))
+        return gone

@@ -1,0 +1,63 @@
+"""A test double of the Mooncake store with its observable semantics.
+
+``put`` of an existing key answers 0 and keeps the old value (first write
+wins); ``exists`` answers per key; ``get`` of a missing key answers ``None``
+(Mooncake returns ``b''``). Faults are scripted by tests through ``answer``:
+a function from (operation, rank, key) to a return code, or an exception
+instance to raise (REFERENCE.md §4 lists the codes: -200 no space, -800
+transfer failure, -900 RPC failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class StoreRaised(Exception):
+    """What a scripted store call raises."""
+
+
+Answer = Callable[[str, int, str], "int | BaseException"]
+
+
+def always_ok(op: str, rank: int, key: str) -> int:
+    return 0
+
+
+class MemoryStore:
+    def __init__(self, answer: Answer = always_ok) -> None:
+        self.objects: dict[str, str] = {}
+        self.answer = answer
+        self.puts = 0
+        self.exists_keys = 0
+
+    def _ask(self, op: str, rank: int, key: str) -> int:
+        got = self.answer(op, rank, key)
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def exists(self, rank: int, keys: Sequence[str]) -> list[bool]:
+        self.exists_keys += len(keys)
+        for key in keys:
+            self._ask("exists", rank, key)
+        return [k in self.objects for k in keys]
+
+    def put(self, rank: int, key: str, content: str) -> tuple[int, bool]:
+        """(code, accepted): accepted is False for a failure or an existing key."""
+        code = self._ask("put", rank, key)
+        self.puts += 1
+        if code != 0:
+            return code, False
+        if key in self.objects:
+            return 0, False
+        self.objects[key] = content
+        return 0, True
+
+    def get(self, rank: int, key: str) -> str | None:
+        if self._ask("get", rank, key) != 0:
+            return None
+        return self.objects.get(key)
+
+    def evict(self, key: str) -> bool:
+        return self.objects.pop(key, None) is not None

@@ -1,0 +1,466 @@
+"""The scheduler side (sans-IO): from engine steps to store jobs, pins and releases.
+
+Design notes
+------------
+One ``Planner`` per engine. It never performs I/O and never reads a clock: the
+engine (or the simulator, or a test) hands it a ``SchedulerStep`` and gets a
+``Plan`` back; it hands it the ranks' ``Report``s and gets a ``Settlement``.
+
+Order within a step follows upstream's ``build_connector_meta``
+(REFERENCE.md §2): finished, preempted, new, resumed, cached, then loads.
+Finished and preempted come first so a generation is over before anything of
+the step could touch it. A request listed as both scheduled and preempted in
+one step is a broken engine assumption (S23) and is reported, not ignored.
+
+Saves. A generation may save only full blocks, only once at least one *new*
+full block exists (``chunk_boundary``), never in a step that loads it, and a
+consumer only in decode with ``save_decode_cache``. Emitting a job advances the
+optimistic mark ``num_saved_tokens`` at once; the ranks' confirmed offsets come
+back with their reports.
+
+Hot path. For each running request a step costs a dict lookup, a few integer
+updates and one comparison, and the fast path (decode saving off) returns
+before touching the tracker. A job's cost — token snapshot, metadata slice,
+pins — is proportional to the blocks that are new since the generation's last
+job in the default protocol; upstream's policies (``e2``) are proportional to
+the context, which is what the benchmark measures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from kvstate.config import ConnectorConfig
+from kvstate.events import BlockStored
+from kvstate.keys import chunk_hash, key_for, key_prefix
+from kvstate.records import (
+    GenerationEnd,
+    GenerationStart,
+    GenKey,
+    LoadMeta,
+    LoadReport,
+    Plan,
+    Report,
+    SaveMeta,
+    SchedulerStep,
+    Settlement,
+    Violation,
+)
+from kvstate.tables import REQUEST, RequestEvent, RequestState
+from kvstate.tracker import JobBook, Tracker
+from kvstate.variants import KVSTATE, Variant
+
+_RE = RequestEvent
+
+
+@attrs.frozen(slots=True)
+class LookupQuery:
+    """Keys to test with ``batch_is_exist``: chunk-major, then namespace, then group."""
+
+    req_id: str
+    generation: int
+    keys: tuple[str, ...]
+    keys_per_chunk: int
+    num_prompt_tokens: int
+
+
+@attrs.frozen(slots=True)
+class LoadResult:
+    """Every rank finished a load; the engine recomputes ``failed_block_ids``."""
+
+    req_id: str
+    generation: int
+    failed_block_ids: tuple[int, ...]
+
+
+class Planner:
+    def __init__(self, config: ConnectorConfig, variant: Variant = KVSTATE) -> None:
+        self.config = config
+        self.variant = variant
+        self.trackers: dict[str, Tracker] = {}
+        self.jobs: dict[int, JobBook] = {}
+        self.closing: dict[GenKey, Tracker] = {}
+        self.quorum = variant.quorum(config)
+        self._next_job_id = 1
+        self._next_generation = 1
+        self._step = 0
+        self._loads_pending: dict[GenKey, list[LoadReport]] = {}
+        self._load_queue: list[Tracker] = []
+        self._num_groups = len(config.groups)
+        self._lookup_prefixes = [
+            [key_prefix(config, ns * config.put_step, g) for g in range(self._num_groups)]
+            for ns in variant.lookup_namespaces(config.num_namespaces)
+        ]
+
+    # ------------------------------------------------------------------
+    # Load path.
+
+    def _new_tracker(self, req_id: str) -> Tracker:
+        tracker = Tracker(req_id, self._next_generation, self._num_groups, self.config.world_size)
+        self._next_generation += 1
+        return tracker
+
+    def lookup(self, req_id: str, prompt_len: int, block_hashes: Sequence[bytes]) -> LookupQuery:
+        """Start a lookup (``get_num_new_matched_tokens`` while it is pending)."""
+        tracker = self.trackers.get(req_id)
+        if tracker is None or tracker.state is RequestState.FINISHED:
+            tracker = self.trackers[req_id] = self._new_tracker(req_id)
+        tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.LOOKUP_STARTED)
+        tracker.hashes = list(block_hashes)
+        tracker.prefill_end = prompt_len
+        per_block = self.config.hashes_per_block
+        num_chunks = min(prompt_len, len(block_hashes) * self.config.hash_block)
+        num_chunks = num_chunks // self.config.lcm_block_size * self.config.lcm_block_size
+        num_chunks //= self.config.block_size
+        keys: list[str] = []
+        for cid in range(num_chunks):
+            digest = chunk_hash(block_hashes, cid, per_block)
+            for prefixes in self._lookup_prefixes:
+                for prefix in prefixes:
+                    keys.append(key_for(prefix, digest))
+        per_chunk = len(self._lookup_prefixes) * self._num_groups
+        return LookupQuery(req_id, tracker.generation, tuple(keys), per_chunk, prompt_len)
+
+    def lookup_answered(self, query: LookupQuery, present: Sequence[bool]) -> int:
+        """Tokens the store can provide: the longest prefix of chunks whose keys
+        exist in every namespace and group; a full hit is shortened so the last
+        token is recomputed (the engine needs one token to sample from)."""
+        if len(present) != len(query.keys):
+            raise ValueError(
+                f"lookup_answered: {len(present)} answers for {len(query.keys)} keys"
+            )
+        hit = 0
+        per = query.keys_per_chunk
+        for cid in range(len(query.keys) // per if per else 0):
+            if not all(present[cid * per:(cid + 1) * per]):
+                break
+            hit += 1
+        tokens = hit * self.config.block_size
+        if tokens >= query.num_prompt_tokens:
+            tokens = (query.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
+        return tokens
+
+    def allocate(
+        self,
+        req_id: str,
+        block_ids: Sequence[Sequence[int]],
+        num_computed_tokens: int,
+        num_external_tokens: int,
+        load_async: bool,
+    ) -> None:
+        """``update_state_after_alloc``: the engine allocated blocks; a positive
+        external count means a load from the store into them (async parks the
+        request until every rank reported the load)."""
+        tracker = self.trackers.get(req_id)
+        if tracker is None or tracker.state is RequestState.FINISHED:
+            tracker = self.trackers[req_id] = self._new_tracker(req_id)
+        tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.ALLOCATE)
+        tracker.block_ids = [list(t) for t in block_ids]
+        if num_external_tokens > 0:
+            tracker.load = (num_computed_tokens, num_computed_tokens + num_external_tokens)
+            tracker.can_load = True
+            self._load_queue.append(tracker)
+            if load_async:
+                tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.PARK_FOR_LOAD)
+
+    def on_load_reports(self, reports: Sequence[LoadReport]) -> list[LoadResult]:
+        """Collect per-rank load reports; a load is done when every rank reported."""
+        done: list[LoadResult] = []
+        for report in reports:
+            key = (report.req_id, report.generation)
+            got = self._loads_pending.setdefault(key, [])
+            got.append(report)
+            if len(got) < self.config.world_size:
+                continue
+            del self._loads_pending[key]
+            failed = sorted({b for r in got for b in r.failed_block_ids})
+            tracker = self.trackers.get(report.req_id)
+            if tracker is not None and tracker.generation == report.generation:
+                tracker.load = None
+                tracker.can_load = False
+                if tracker.state is RequestState.LOAD_PARKED:
+                    tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.LOAD_FINISHED)
+            done.append(LoadResult(report.req_id, report.generation, tuple(failed)))
+        return done
+
+    # ------------------------------------------------------------------
+    # One scheduler step.
+
+    def step(self, sched: SchedulerStep) -> Plan:
+        self._step += 1
+        config = self.config
+        variant = self.variant
+        pins: list[int] = []
+        releases: list[int] = []
+        saves: list[SaveMeta] = []
+        loads: list[LoadMeta] = []
+        started: list[GenerationStart] = []
+        ended: list[GenerationEnd] = []
+        violations: list[Violation] = []
+        preempted: list[GenKey] = []
+        finished: list[GenKey] = []
+
+        if sched.preempted:
+            scheduled = {r.req_id for r in sched.new}
+            scheduled.update(r.req_id for r in sched.cached)
+            scheduled.update(r.req_id for r in sched.resumed)
+            for req_id in sched.preempted:
+                if req_id in scheduled:
+                    violations.append(Violation(
+                        "S23", f"request {req_id!r} is scheduled in step {self._step}, the "
+                        "step that preempts it"))
+
+        for req_id in sched.finished:
+            tracker = self.trackers.pop(req_id, None)
+            if tracker is None:
+                continue  # finished before the connector ever saw it (abort in queue)
+            was_live = tracker.state is not RequestState.PREEMPTED
+            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.FINISH)
+            self._loads_pending.pop(tracker.gen_key, None)
+            if was_live:
+                finished.append(tracker.gen_key)
+                ended.append(GenerationEnd(req_id, tracker.generation, "finished"))
+                self._end_generation(tracker, "finished", pins, releases)
+
+        for req_id in sched.preempted:
+            tracker = self.trackers.get(req_id)
+            if tracker is None or tracker.state in (
+                RequestState.PREEMPTED, RequestState.FINISHED, RequestState.ABSENT,
+                RequestState.LOOKUP_PENDING, RequestState.ALLOCATED, RequestState.LOAD_PARKED,
+            ):
+                violations.append(Violation(
+                    "S23", f"preemption of request {req_id!r} that is not running "
+                    f"(state {tracker.state.name if tracker else 'unknown'})"))
+                continue
+            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.PREEMPT)
+            tracker.load = None
+            preempted.append(tracker.gen_key)
+            ended.append(GenerationEnd(req_id, tracker.generation, "preempted"))
+            self._end_generation(tracker, "preempted", pins, releases)
+
+        is_consumer = config.is_consumer
+        bs = config.block_size
+        events_on = config.enable_kv_events
+
+        for new in sched.new:
+            tracker = self.trackers.get(new.req_id)
+            if tracker is not None and tracker.state in (
+                RequestState.PREFILLING, RequestState.DECODING, RequestState.RESUMED
+            ):
+                violations.append(Violation(
+                    "K2", f"request {new.req_id!r} scheduled as new while generation "
+                    f"{tracker.generation} is still running"))
+                self._end_generation(tracker, "finished", pins, releases)
+                finished.append(tracker.gen_key)
+                ended.append(GenerationEnd(new.req_id, tracker.generation, "finished"))
+                tracker = None
+            if tracker is None or tracker.state in (RequestState.PREEMPTED, RequestState.FINISHED):
+                tracker = self.trackers[new.req_id] = self._new_tracker(new.req_id)
+            if tracker.state in (RequestState.ABSENT, RequestState.LOOKUP_PENDING):
+                tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.ALLOCATE)
+            if tracker.state is RequestState.LOAD_PARKED:
+                violations.append(Violation(
+                    "S13", f"request {new.req_id!r} scheduled while parked for a load"))
+                tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.LOAD_FINISHED)
+            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.SCHEDULE_PREFILL)
+            started.append(GenerationStart(new.req_id, tracker.generation, "new",
+                                           len(new.prompt_token_ids)))
+            tracker.token_len = new.num_computed_tokens + new.num_scheduled_tokens
+            tracker.block_ids = [list(t) for t in new.block_ids]
+            tracker.hashes = list(new.block_hashes)
+            tracker.prefill_end = len(new.prompt_token_ids)
+            if events_on:
+                tracker.token_ids = list(new.prompt_token_ids[:tracker.token_len])
+            skip = variant.skip_prefill_save(is_consumer) or variant.skip_on_loading_step(
+                tracker.can_load)
+            tracker.can_load = False
+            self._maybe_save(tracker, skip, False, saves, pins)
+
+        for res in sched.resumed:
+            old = self.trackers.get(res.req_id)
+            if old is None or old.state is not RequestState.PREEMPTED:
+                violations.append(Violation(
+                    "S23", f"resumption of request {res.req_id!r} that was not preempted "
+                    f"(state {old.state.name if old else 'unknown'})"))
+                if old is not None and not old.ended:
+                    self._end_generation(old, "preempted", pins, releases)
+            tracker = self.trackers[res.req_id] = self._new_tracker(res.req_id)
+            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.RESUME)
+            started.append(GenerationStart(res.req_id, tracker.generation, "resumed",
+                                           old.prefill_end if old else len(res.all_token_ids)))
+            tracker.token_len = res.num_computed_tokens + res.num_scheduled_tokens
+            tracker.block_ids = [list(t) for t in res.block_ids]
+            tracker.hashes = list(res.block_hashes)
+            # Upstream: the resumed tracker's prefill ends at everything known so far.
+            tracker.prefill_end = len(res.all_token_ids)
+            if events_on:
+                tracker.token_ids = list(res.all_token_ids[:tracker.token_len])
+            is_decode = res.num_computed_tokens >= tracker.prefill_end
+            tracker.state = REQUEST.fire(
+                tracker.gen_key, tracker.state,
+                _RE.SCHEDULE_DECODE if is_decode else _RE.SCHEDULE_PREFILL)
+            if is_consumer and not (config.save_decode_cache and is_decode):
+                continue
+            self._maybe_save(tracker, False, is_decode, saves, pins)
+
+        if not is_consumer or config.save_decode_cache:
+            save_decode = config.save_decode_cache
+            trackers = self.trackers
+            for cached in sched.cached:
+                tracker = trackers.get(cached.req_id)
+                if tracker is None or tracker.ended:
+                    violations.append(Violation(
+                        "S23", f"request {cached.req_id!r} scheduled as running but has no "
+                        "live generation"))
+                    continue
+                is_decode = cached.num_computed_tokens >= tracker.prefill_end
+                if is_decode and not save_decode:
+                    continue  # fast path: decode saving off, no tracker work at all
+                if is_decode:
+                    if tracker.state is not RequestState.DECODING:
+                        tracker.state = REQUEST.fire(
+                            tracker.gen_key, tracker.state, _RE.SCHEDULE_DECODE)
+                        if is_consumer:
+                            tracker.num_saved_tokens = variant.consumer_decode_start(
+                                tracker.prefill_end, bs)
+                else:
+                    tracker.state = REQUEST.fire(
+                        tracker.gen_key, tracker.state, _RE.SCHEDULE_PREFILL)
+                tracker.token_len += len(cached.new_token_ids)
+                if events_on and tracker.token_ids is not None:
+                    tracker.token_ids.extend(cached.new_token_ids)
+                for g, ids in enumerate(cached.new_block_ids):
+                    if ids:
+                        tracker.block_ids[g].extend(ids)
+                if cached.new_block_hashes:
+                    tracker.hashes.extend(cached.new_block_hashes)
+                if is_consumer and not is_decode:
+                    continue
+                if tracker.token_len // bs * bs < variant.chunk_boundary(
+                        tracker.num_saved_tokens, bs):
+                    continue  # nothing new to save: skip the call on the hot path
+                self._maybe_save(tracker, False, is_decode, saves, pins)
+
+        # Load-only metas for requests allocated with an external hit since the
+        # last step (parked ones and synchronous loads alike).
+        for tracker in self._load_queue:
+            if tracker.load is not None and not tracker.ended:
+                start, end = tracker.load
+                loads.append(LoadMeta(
+                    tracker.req_id, tracker.generation, start, end,
+                    tuple(tuple(t) for t in tracker.block_ids), tuple(tracker.hashes)))
+        self._load_queue.clear()
+
+        return Plan(
+            step=self._step,
+            saves=tuple(saves),
+            loads=tuple(loads),
+            preempted=tuple(preempted),
+            finished=tuple(finished),
+            pins=tuple(pins),
+            releases=tuple(releases),
+            started=tuple(started),
+            ended=tuple(ended),
+            violations=tuple(violations),
+        )
+
+    def _maybe_save(
+        self, tracker: Tracker, skip: bool, is_decode: bool, saves: list[SaveMeta],
+        pins: list[int],
+    ) -> None:
+        """Upstream's ``ReqMeta.from_request_tracker`` plus job id and pins."""
+        bs = self.config.block_size
+        start = tracker.num_saved_tokens
+        to_save = tracker.token_len // bs * bs
+        if skip or to_save < self.variant.chunk_boundary(start, bs):
+            return
+        tracker.num_saved_tokens = to_save
+        token_ids = None
+        if tracker.token_ids is not None:
+            token_ids = tuple(tracker.token_ids[start:to_save])
+        bstart, blocks, hstart, hashes = self.variant.metadata.slice(tracker)
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        saves.append(SaveMeta(
+            tracker.req_id, tracker.generation, job_id, start, to_save, tracker.prefill_end,
+            is_decode, bstart, blocks, hstart, hashes, token_ids,
+        ))
+        book = self.jobs[job_id] = JobBook(job_id, tracker)
+        tracker.outstanding += 1
+        self.variant.pins.on_job(tracker, book, to_save, bs, pins)
+
+    def _end_generation(
+        self, tracker: Tracker, reason: str, pins: list[int], releases: list[int]
+    ) -> None:
+        tracker.ended = True
+        books = [b for b in self.jobs.values() if b.tracker is tracker] if tracker.outstanding else []
+        self.variant.pins.on_generation_end(tracker, reason, books, pins, releases)
+        if tracker.outstanding == 0:
+            self._settle_generation(tracker, releases)
+        else:
+            self.closing[tracker.gen_key] = tracker
+
+    def _settle_generation(self, tracker: Tracker, releases: list[int]) -> int:
+        self.closing.pop(tracker.gen_key, None)
+        self.variant.pins.on_drained(tracker, releases)
+        return self.quorum.generation_settled(tracker.gen_key)
+
+    # ------------------------------------------------------------------
+    # Reports.
+
+    def on_reports(self, reports: Sequence[Report]) -> Settlement:
+        """``update_connector_output``: count reports, release pins, publish events."""
+        releases: list[int] = []
+        released: list[int] = []
+        published: list[BlockStored] = []
+        violations: list[Violation] = []
+        dropped = 0
+        world = self.config.world_size
+        bs = self.config.block_size
+        pins = self.variant.pins
+        for report in reports:
+            book = self.jobs.get(report.job_id)
+            if book is None:
+                violations.append(Violation(
+                    "S4", f"report for unknown or already released job {report.job_id} "
+                    f"from rank {report.rank}"))
+                continue
+            if report.rank in book.ranks or not 0 <= report.rank < world:
+                violations.append(Violation(
+                    "S4", f"job {report.job_id}: rank {report.rank} reported twice or is not "
+                    f"one of the {world} ranks"))
+                continue
+            book.ranks.add(report.rank)
+            tracker = book.tracker
+            if report.confirmed_offset > tracker.rank_confirmed[report.rank]:
+                tracker.rank_confirmed[report.rank] = report.confirmed_offset
+                pins.on_report(tracker, bs, releases)
+            if report.events:
+                published.extend(self.quorum.add(tracker.gen_key, report.rank, report.events))
+            if len(book.ranks) == world:
+                del self.jobs[report.job_id]
+                released.append(report.job_id)
+                pins.on_job_released(book, releases)
+                tracker.outstanding -= 1
+                if tracker.ended and tracker.outstanding == 0:
+                    dropped += self._settle_generation(tracker, releases)
+        return Settlement(tuple(releases), tuple(released), tuple(published), dropped,
+                          tuple(violations))
+
+    # ------------------------------------------------------------------
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while any job awaits its reports."""
+        return bool(self.jobs)
+
+    def live_state_size(self) -> dict[str, int]:
+        """What the planner still holds (all zero at settlement)."""
+        return {
+            "trackers": len(self.trackers),
+            "jobs": len(self.jobs),
+            "closing_generations": len(self.closing),
+            "pending_events": self.quorum.pending(),
+            "pending_loads": len(self._loads_pending),
+        }

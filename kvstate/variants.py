@@ -1,0 +1,409 @@
+"""Protocol variants: kvstate's default, upstream's eras, and named mutants.
+
+A variant is a small frozen record of *policies* — functions and strategy
+objects the planner and executor call at the points where the eras differ. The
+core holds no ``if variant == ...``: it asks its variant. That keeps every
+historical behaviour runnable (so the simulator can rediscover its bugs) and
+lets a test show each policy changes something observable.
+
+Names are the command line's: ``kvstate`` (default), ``e2`` (vLLM 0.33.0 as
+shipped), ``e1``, ``e0``, and kebab-case mutants of ``e2`` that each undo one
+upstream fix (REFERENCE.md §9 lists the bugs they bring back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvstate.events import EventQuorum, OrderedQuorum, ValueCountQuorum
+from kvstate.keys import cdiv, parent_hash
+from kvstate.ledger import CounterLedger, GenerationLedger, Ledger, RequestIdLedger
+from kvstate.pins import (
+    DelayedFreeAtFinish,
+    IncrementalPins,
+    NoPins,
+    PerJobPins,
+    PinPolicy,
+    PreemptionDropsPins,
+)
+
+# --------------------------------------------------------------------------
+# Scheduler-side policies.
+
+
+def boundary_plus_one(saved: int, block_size: int) -> int:
+    """The next save needs at least one *new* full block (LMCache#653)."""
+    return cdiv(saved + 1, block_size) * block_size
+
+
+def boundary_without_plus_one(saved: int, block_size: int) -> int:
+    """The pre-#653 boundary: at an aligned mark it equals the mark, so every
+    step after a full block emits a job with nothing new to save."""
+    return cdiv(saved, block_size) * block_size
+
+
+def backfill_prompt(prefill_end: int, block_size: int) -> int:
+    """A consumer's first decode save starts at 0: with direct P→D transfer the
+    prompt may not be in the store, so the decode node puts it (seed 1)."""
+    return 0
+
+
+def no_backfill(prefill_end: int, block_size: int) -> int:
+    return prefill_end // block_size * block_size
+
+
+class DeltaMetadata:
+    """Only what is new since the generation's previous job travels; ranks
+    keep a mirror of the block table and hash chain (DESIGN.md §3.4)."""
+
+    name = "delta"
+
+    @staticmethod
+    def slice(tracker: Any) -> tuple[int, tuple[tuple[int, ...], ...], int, tuple[bytes, ...]]:
+        sent = tracker.sent_blocks
+        tables = tracker.block_ids
+        blocks = tuple(tuple(t[sent[g]:]) for g, t in enumerate(tables))
+        # Groups grow in lockstep here (one shared block size), so one start.
+        start = sent[0]
+        for g, t in enumerate(tables):
+            sent[g] = len(t)
+        hstart = tracker.sent_hashes
+        hashes = tuple(tracker.hashes[hstart:])
+        tracker.sent_hashes = len(tracker.hashes)
+        return start, blocks, hstart, hashes
+
+    @staticmethod
+    def resolve(entry: Any, meta: Any) -> tuple[list[list[int]], list[bytes]]:
+        """Apply a meta's slice to the rank's mirror; return the mirror."""
+        for g, ids in enumerate(meta.block_ids):
+            table = entry.block_ids[g]
+            # Slice assignment both appends (start == len) and replaces (start 0).
+            table[meta.block_ids_start:] = ids
+        entry.hashes[meta.hashes_start:] = meta.block_hashes
+        return entry.block_ids, entry.hashes
+
+
+class FullMetadata:
+    """Upstream: every job carries the whole block table and hash list."""
+
+    name = "full"
+
+    @staticmethod
+    def slice(tracker: Any) -> tuple[int, tuple[tuple[int, ...], ...], int, tuple[bytes, ...]]:
+        return 0, tuple(tuple(t) for t in tracker.block_ids), 0, tuple(tracker.hashes)
+
+    @staticmethod
+    def resolve(entry: Any, meta: Any) -> tuple[Sequence[Sequence[int]], Sequence[bytes]]:
+        return meta.block_ids, meta.block_hashes
+
+
+# --------------------------------------------------------------------------
+# Worker-side policies.
+
+
+def parent_from_chain(
+    hashes: Sequence[bytes], start: int, hash_block: int, prev_emitted: bytes | None,
+    prev_missing: bytes | None,
+) -> bytes | None:
+    return parent_hash(hashes, start, hash_block)
+
+
+def parent_previous_emitted(
+    hashes: Sequence[bytes], start: int, hash_block: int, prev_emitted: bytes | None,
+    prev_missing: bytes | None,
+) -> bytes | None:
+    """E1: the block this rank emitted just before (None for the first)."""
+    return prev_emitted
+
+
+def parent_previous_missing(
+    hashes: Sequence[bytes], start: int, hash_block: int, prev_emitted: bytes | None,
+    prev_missing: bytes | None,
+) -> bytes | None:
+    """E0: the previous block that was missing in this batch."""
+    return prev_missing
+
+
+def events_for_stored_prefix(groups: Sequence[int], status: Sequence[int]) -> list[int]:
+    """kvstate: announce every chunk of the job's range that is now in the
+    store — put by this job *or found present* — in chain order, per group up
+    to the first failure. Found-present chunks are announced again (consumers
+    treat duplicates as idempotent) so a generation's events always form a
+    chain from its first chunk, and a failure never lets a child reach the
+    quorum before its parent; the next job resumes at the failure and
+    announces the rest."""
+    out: list[int] = []
+    stopped: set[int] = set()
+    for i, g in enumerate(groups):
+        if g in stopped:
+            continue
+        out.append(i)
+        if status[i] == 2:  # FAILED: later chunks of this group wait for the retry
+            stopped.add(g)
+    return out
+
+
+def events_for_puts(groups: Sequence[int], status: Sequence[int]) -> list[int]:
+    """Upstream: one event per chunk this job put (failed ones only move the
+    "previous missing" cursor E0 used for parents)."""
+    return [i for i, st in enumerate(status) if st != 0]
+
+
+class GuardedRetry:
+    """Retry suffixes live in the generation's entry; only a live job reads or
+    writes them (the store_job_id guard of vLLM#52466)."""
+
+    name = "guarded"
+
+    @staticmethod
+    def get(executor: Any, live: Any, meta: Any) -> tuple[int, tuple[int, ...], int] | None:
+        return live.retry if live is not None else None
+
+    @staticmethod
+    def put(executor: Any, live: Any, meta: Any, value: tuple[int, tuple[int, ...], int] | None) -> bool:
+        if live is None:
+            return False
+        live.retry = value
+        return True
+
+
+class RetryByRequestId:
+    """Mutant: retry state in a rank-wide dict keyed by request id, unguarded,
+    never dropped at preemption — a stale job writes it and a reused id reads it."""
+
+    name = "by-request-id"
+
+    @staticmethod
+    def get(executor: Any, live: Any, meta: Any) -> tuple[int, tuple[int, ...], int] | None:
+        return executor.retry_by_request.get(meta.req_id)
+
+    @staticmethod
+    def put(executor: Any, live: Any, meta: Any, value: tuple[int, tuple[int, ...], int] | None) -> bool:
+        if value is None:
+            executor.retry_by_request.pop(meta.req_id, None)
+        else:
+            executor.retry_by_request[meta.req_id] = value
+        return True
+
+
+def backoff_expires(skipped_since: float, now: float, backoff: float) -> bool:
+    """kvstate: a skipped request is retried after a bounded backoff even if no
+    other put succeeds (otherwise an idle engine strands it: DESIGN.md §3.4)."""
+    return now - skipped_since >= backoff
+
+
+def backoff_never(skipped_since: float, now: float, backoff: float) -> bool:
+    """Upstream: only some other successful put clears the skip."""
+    return False
+
+
+def offset_kept(old: int, token_len: int) -> int:
+    return old
+
+
+def offset_advanced(old: int, token_len: int) -> int:
+    return token_len
+
+
+def save_from_offset(offset: int) -> int:
+    return offset
+
+
+def save_from_zero(offset: int) -> int:
+    """E0: every job re-checks from chunk 0 (dedup by exists)."""
+    return 0
+
+
+def stride_absolute(first_chunk: int) -> int:
+    return 0
+
+
+def stride_relative(first_chunk: int) -> int:
+    """Mutant: stride by position within the job, so the same chunk lands on
+    different ranks depending on where each rank's offset starts."""
+    return first_chunk
+
+
+def check_all(keys: tuple[str, ...]) -> tuple[str, ...]:
+    return keys
+
+
+def check_none(keys: tuple[str, ...]) -> tuple[str, ...]:
+    return ()
+
+
+def report_after_raise(job: Any) -> Any:
+    """The ``finally`` of vLLM#43742: a job that raised still reports."""
+    return job
+
+
+def swallow_after_raise(job: Any) -> Any:
+    return None
+
+
+def all_namespaces(num_namespaces: int) -> range:
+    return range(num_namespaces)
+
+
+def first_namespace(num_namespaces: int) -> range:
+    return range(1)
+
+
+def keep_load_errors(failed: tuple[int, ...]) -> tuple[int, ...]:
+    return failed
+
+
+def drop_load_errors(failed: tuple[int, ...]) -> tuple[int, ...]:
+    return ()
+
+
+def key_rank_own(tp_rank: int) -> int:
+    return tp_rank
+
+
+def key_rank_zero(tp_rank: int) -> int:
+    return 0
+
+
+def consumer_skips_prefill(is_consumer: bool) -> bool:
+    return is_consumer
+
+
+def consumer_saves_prefill(is_consumer: bool) -> bool:
+    return False
+
+
+def loading_step_skips(can_load: bool) -> bool:
+    return can_load
+
+
+def loading_step_saves(can_load: bool) -> bool:
+    return False
+
+
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class Variant:
+    name: str
+    summary: str
+    upstream: str = ""
+    # scheduler side
+    chunk_boundary: Callable[[int, int], int] = boundary_plus_one
+    consumer_decode_start: Callable[[int, int], int] = backfill_prompt
+    skip_prefill_save: Callable[[bool], bool] = consumer_skips_prefill
+    skip_on_loading_step: Callable[[bool], bool] = loading_step_skips
+    pins: PinPolicy = IncrementalPins()
+    metadata: Any = DeltaMetadata
+    quorum: Callable[[Any], EventQuorum] = OrderedQuorum
+    lookup_namespaces: Callable[[int], range] = all_namespaces
+    # worker side
+    ledger: Callable[[int], Ledger] = GenerationLedger
+    save_start: Callable[[int], int] = save_from_offset
+    offset_after_failure: Callable[[int, int], int] = offset_kept
+    parent: Callable[..., bytes | None] = parent_from_chain
+    event_chunks: Callable[[Sequence[int], Sequence[int]], list[int]] = events_for_stored_prefix
+    retry: Any = GuardedRetry
+    skip_expired: Callable[[float, float, float], bool] = backoff_expires
+    stride_origin: Callable[[int], int] = stride_absolute
+    exists_keys: Callable[[tuple[str, ...]], tuple[str, ...]] = check_all
+    after_raise: Callable[[Any], Any] = report_after_raise
+    load_errors: Callable[[tuple[int, ...]], tuple[int, ...]] = keep_load_errors
+    key_rank: Callable[[int], int] = key_rank_own
+
+
+KVSTATE = Variant(
+    name="kvstate",
+    summary="E2's semantics with incremental pins, delta metadata, per-generation rank "
+    "state, pressure backoff and a distinct-rank event quorum that forgets the unreachable",
+)
+
+E2 = attrs.evolve(
+    KVSTATE,
+    name="e2",
+    summary="vLLM 0.33.0 as shipped: job-set ledger keyed by request id, per-job full pins "
+    "and full metadata, value-counted event quorum, no pressure backoff",
+    upstream="vLLM#52372, #52466",
+    pins=PerJobPins(),
+    metadata=FullMetadata,
+    quorum=ValueCountQuorum,
+    event_chunks=events_for_puts,
+    ledger=RequestIdLedger,
+    skip_expired=backoff_never,
+)
+
+E1 = attrs.evolve(
+    E2,
+    name="e1",
+    summary="job counter per request id, blocks held only at finish (preemption frees at "
+    "once), event parent = previous emitted block",
+    upstream="vLLM#52360, #51637",
+    pins=DelayedFreeAtFinish(),
+    ledger=CounterLedger,
+    parent=parent_previous_emitted,
+)
+
+E0 = attrs.evolve(
+    E1,
+    name="e0",
+    summary="job counter, no pins at all, every job re-checks from chunk 0, event parent = "
+    "previous missing block of the batch",
+    upstream="vLLM#44103",
+    pins=NoPins(),
+    save_start=save_from_zero,
+    parent=parent_previous_missing,
+)
+
+
+def _mutant(name: str, summary: str, upstream: str, **changes: Any) -> Variant:
+    return attrs.evolve(E2, name=name, summary=summary, upstream=upstream, **changes)
+
+
+MUTANTS: tuple[Variant, ...] = (
+    _mutant("req-id-counter-ledger", "E2 with a job counter per request id instead of job "
+            "sets", "vLLM#51637/#51662", ledger=CounterLedger),
+    _mutant("no-pins-on-preemption", "E2 whose preemption drops the in-flight jobs' pins at "
+            "once", "vLLM#52360", pins=PreemptionDropsPins()),
+    _mutant("delayed-free-at-finish", "E2 holding blocks only at finish (E1's pins)",
+            "vLLM#52360", pins=DelayedFreeAtFinish()),
+    _mutant("parent-previous-emitted", "E2 whose event parent is the block emitted before",
+            "vLLM#52466, vllm-ascend#12012", parent=parent_previous_emitted),
+    _mutant("retry-keyed-by-request", "E2 whose retry suffix is keyed by request id, "
+            "unguarded", "vLLM#52466 review", retry=RetryByRequestId),
+    _mutant("missing-finally", "E2 whose job that raised never reports", "vLLM#43742",
+            after_raise=swallow_after_raise),
+    _mutant("boundary-without-plus-one", "E2 with chunk boundary cdiv(saved, bs)*bs",
+            "LMCache#653", chunk_boundary=boundary_without_plus_one),
+    _mutant("save-on-loading-step", "E2 that saves in the step it loads", "REFERENCE §2",
+            skip_on_loading_step=loading_step_saves),
+    _mutant("consumer-without-backfill", "E2 whose consumer starts saving at the prompt's "
+            "end", "vLLM#52466 review", consumer_decode_start=no_backfill),
+    _mutant("consumer-saves-prefill", "E2 whose consumer also saves prefill", "REFERENCE §2",
+            skip_prefill_save=consumer_saves_prefill),
+    _mutant("advance-offset-on-failure", "E2 that advances the saved offset after a partial "
+            "failure", "seed 2", offset_after_failure=offset_advanced),
+    _mutant("stride-by-relative-chunk", "E2 striding by chunk position within the job",
+            "seed 2 (absolute chunk id)", stride_origin=stride_relative),
+    _mutant("skip-exists-check", "E2 that puts without checking existence", "seed 2",
+            exists_keys=check_none),
+    _mutant("lookup-first-namespace", "E2 whose lookup checks only rank 0's namespace",
+            "REFERENCE §2 load path", lookup_namespaces=first_namespace),
+    _mutant("swallow-load-errors", "E2 that never reports failed loads", "REFERENCE §2",
+            load_errors=drop_load_errors),
+    _mutant("key-without-rank", "E2 whose keys drop the rank namespace", "REFERENCE §5",
+            key_rank=key_rank_zero),
+)
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in (KVSTATE, E2, E1, E0, *MUTANTS)}
+
+
+def get_variant(name: str) -> Variant:
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        known = ", ".join(VARIANTS)
+        raise ValueError(f"unknown protocol variant {name!r} (known: {known})") from None
