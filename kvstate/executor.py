@@ -67,7 +67,7 @@ class RankJob:
 
     def __init__(self, meta: SaveMeta, block_ids: Sequence[Sequence[int]], hashes: Sequence[bytes]):
         self.meta = meta
-        self.state = JobState.QUEUED
+        self.state = JobState.EMITTED
         self.block_ids = block_ids
         self.hashes = hashes
         self.save_start = 0
@@ -124,6 +124,7 @@ class Executor:
             entry = ledger.register(meta)  # before the queue put: S5
             block_ids, hashes = resolve(entry, meta)
             job = RankJob(meta, block_ids, hashes)
+            job.state = JOB.fire((meta.job_id, self.rank), job.state, _JE.ENQUEUE)
             self.queue.append(job)
         for entry in ledger.sweep():
             self.skipped.pop(id(entry), None)
@@ -155,12 +156,12 @@ class Executor:
             if start + len(ids) == meta.token_ids_start:
                 job.tokens_start = start
                 job.tokens = ids + job.tokens
-        job.save_start = save_start = variant.save_start(entry.saved_offset)
+        job.save_start = save_start = variant.save_start(entry.saved_offset, meta.token_ids_start)
         self._observe_start(job, entry, retry)
 
         if self.pressure is PressureState.PRESSURED and entry.skipped_since is not None:
             if variant.skip_expired(entry.skipped_since, self.clock(), config.pressure_backoff):
-                entry.skipped_since = None
+                entry.clear_skip(expired=True)
                 self.skipped.pop(id(entry), None)
             else:
                 job.state = JOB.fire(key, job.state, _JE.SKIP_FOR_PRESSURE)
@@ -238,8 +239,7 @@ class Executor:
             self.pressure = PRESSURE.fire(self.rank, self.pressure, PressureEvent.PUT_REJECTED)
             entry = self.ledger.live_entry(meta)
             if entry is not None:
-                if entry.skipped_since is None:
-                    entry.skipped_since = self.clock()
+                entry.mark_skipped(self.clock())
                 self.skipped[id(entry)] = entry
                 self._written(job, "skip", 1, entry)
         stored = [i for i, good in zip(idx, ok) if good]
@@ -248,7 +248,7 @@ class Executor:
         if entry is not None:
             advanced = self.variant.offset_after_failure(entry.saved_offset, job.token_len)
             if advanced != entry.saved_offset:
-                entry.saved_offset = advanced
+                entry.record_saved(advanced)
                 self._written(job, "offset", advanced, entry)
         status = [PRESENT] * len(job.keys)
         for i in stored:
@@ -276,13 +276,13 @@ class Executor:
         entry = self.ledger.live_entry(meta)
         if entry is not None:
             if job.token_len != entry.saved_offset:
-                entry.saved_offset = job.token_len
+                entry.record_saved(job.token_len)
                 self._written(job, "offset", job.token_len, entry)
         self.variant.retry.put(self, entry, meta, None)
         if self.pressure is PressureState.PRESSURED or self.skipped:
             self.pressure = PRESSURE.fire(self.rank, self.pressure, PressureEvent.PUT_SUCCEEDED)
             for skipped in self.skipped.values():
-                skipped.skipped_since = None
+                skipped.clear_skip(expired=False)
             self.skipped.clear()
         status = [PRESENT] * len(job.keys)
         for i in put:

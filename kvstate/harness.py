@@ -24,6 +24,7 @@ from kvstate.keys import HashChain, cdiv, chunk_hash
 from kvstate.memory_store import MemoryStore, StoreRaised
 from kvstate.observations import (
     ExistsAnswered,
+    KeyEvicted,
     LoadDone,
     LookupDone,
     Observation,
@@ -157,9 +158,11 @@ class Harness:
             req.blocks = [[] for _ in config.groups]
             req.status = "finished"
         for req_id in preempted:
+            # vLLM frees a preempted request's blocks inside schedule(), before
+            # anything else is scheduled: only the connector's pins hold them.
             req = self.requests[req_id]
             for table in req.blocks:
-                engine_frees.extend(reversed(table))
+                self.pool.unref(reversed(table))
             req.blocks = [[] for _ in config.groups]
             req.computed = 0
             req.chain = HashChain(config.hash_block)
@@ -207,6 +210,8 @@ class Harness:
         plan = self.planner.step(sched)
         self.plans.append(plan)
         self.observe(Planned(plan))
+        # A finished request's blocks are freed after request_finished, so a
+        # delayed-free pin taken at finish (E1) still lands first.
         self.pool.ref(plan.pins)
         self.pool.unref(engine_frees)
         self.pool.unref(plan.releases)
@@ -367,6 +372,11 @@ class Harness:
             return "reported"
         self.current[rank] = (job, out)
         return "exists" if isinstance(out, ExistsCall) else "put"
+
+    def evict(self, key: str) -> None:
+        """The store dropped a key (Mooncake evicts silently under pressure)."""
+        if self.store.evict(key):
+            self.observe(KeyEvicted(key))
 
     def run_rank(self, rank: int, max_calls: int = 1 << 30) -> None:
         for _ in range(max_calls):

@@ -88,14 +88,14 @@ CATALOGUE: tuple[Invariant, ...] = (
               "safety", "Planned, PutDone", "fault: a meta beyond the computed tokens",
               "synthetic", "LMCache#2929"),
     Invariant("S8", "A key depends only on prefix hash, model, rank namespace and group",
-              "safety", "PutDone", "key-without-rank", "decode-save", "vLLM#56971"),
+              "safety", "PutDone", "key-without-rank", "reverse-ranks", "vLLM#56971"),
     Invariant("S9", "No job puts a key the store already holds without checking it first",
               "safety", "PutDone", "skip-exists-check", "shared-prefix", "seed 2"),
     Invariant("S10", "A range a rank skipped or failed is retried by the generation's next "
               "live job on that rank", "safety", "JobStarted", "advance-offset-on-failure",
               "partial-put-failure", "seed 2"),
     Invariant("S11", "TP-strided chunks go to the rank owning their absolute chunk id",
-              "safety", "JobFinished", "stride-by-relative-chunk", "strided-partial-failure",
+              "safety", "JobFinished", "stride-by-relative-chunk", "strided-events",
               "seed 2"),
     Invariant("S12", "A rank's saved offset never exceeds the scheduler's mark for the "
               "generation and never moves backwards", "safety", "JobStarted, StateWritten",
@@ -109,18 +109,18 @@ CATALOGUE: tuple[Invariant, ...] = (
               "chain", "safety", "JobFinished", "parent-previous-emitted", "shared-prefix",
               "vLLM#52466, vllm-ascend#12012"),
     Invariant("S16", "A published event's chunk is stored in every rank namespace",
-              "safety", "Settled", "e2", "exists-put-race", "REFERENCE §11"),
+              "safety", "Settled", "e2", "evicted-and-reput", "REFERENCE §11"),
     Invariant("S17", "A KV event's token ids are the chunk's tokens, or empty", "safety",
-              "JobFinished", "retry-keyed-by-request", "reuse-with-failed-retry",
-              "vLLM#52466"),
+              "JobFinished", "snapshot-from-zero", "snapshot-events", "vLLM#52466"),
     Invariant("S18", "Ledger entries of finished requests are eventually deleted", "liveness",
-              "Quiescent", "req-id-counter-ledger", "reuse-with-stale-job", "vLLM#51662"),
+              "Quiescent", "req-id-counter-ledger", "preempt-with-queued-job", "vLLM#51662"),
     Invariant("S19", "Every failed load is reported so the engine recomputes it", "safety",
               "LoadDone", "swallow-load-errors", "load-evicted", "REFERENCE §2"),
     Invariant("S20", "A lookup hit was present in every rank namespace at lookup time",
               "safety", "LookupDone", "lookup-first-namespace", "lookup-partial-namespace",
               "REFERENCE §2"),
-    Invariant("S21", "After a generation ends, no job dequeued later puts for it", "safety",
+    Invariant("S21", "After a preemption, no job of the preempted generation dequeued later "
+              "puts", "safety",
               "PutDone", "req-id-counter-ledger", "preempt-with-queued-job", "vLLM#51637"),
     Invariant("S22", "Store job ids strictly increase and are never reused", "safety",
               "Planned", "fault: a plan repeating a job id", "synthetic", "vLLM#52372"),
@@ -129,10 +129,11 @@ CATALOGUE: tuple[Invariant, ...] = (
               "REFERENCE §6"),
     Invariant("K1", "The content stored under a key is exactly that key's prefix shard",
               "safety", "PutDone", "e1", "preempt-running-job", "vLLM#52360"),
-    Invariant("K2", "A job reads only its own generation's rank state", "safety", "JobStarted",
-              "e2", "reuse-with-stale-job", "vLLM#51637"),
+    Invariant("K2", "A job reads only its own generation's rank state (offset, retry suffix)",
+              "safety", "JobStarted", "retry-keyed-by-request", "reuse-with-failed-retry",
+              "vLLM#51637, #52466"),
     Invariant("K3", "At quiescence nothing is left: no pins, jobs, ledger entries, trackers "
-              "or pending events", "liveness", "Quiescent", "e2", "exists-put-race",
+              "or pending events", "liveness", "Quiescent", "e2", "store-raises",
               "REFERENCE §11"),
     Invariant("K4", "A consumer that rejects orphans accepts every published event",
               "safety", "Settled", "e2", "strided-events", "Dynamo#671"),
@@ -161,13 +162,13 @@ def expected_content(key: str) -> str:
 class _Gen:
     """What the monitor knows about one request generation."""
 
-    __slots__ = ("mark", "hashes", "computed", "ended_at")
+    __slots__ = ("mark", "hashes", "computed", "preempted_at")
 
     def __init__(self) -> None:
         self.mark = 0
         self.hashes: list[bytes] = []
         self.computed = 0
-        self.ended_at: int | None = None
+        self.preempted_at: int | None = None
 
 
 class _Job:
@@ -246,7 +247,8 @@ class Monitor:
         for v in plan.violations:
             self.fail(v.invariant, v.message)
         for end in plan.ended:
-            self._gen((end.req_id, end.generation)).ended_at = self.index
+            if end.reason == "preempted":
+                self._gen((end.req_id, end.generation)).preempted_at = self.index
         for start in plan.started:
             self.current[start.req_id] = start.generation
             self._gen((start.req_id, start.generation))
@@ -363,10 +365,10 @@ class Monitor:
             if obs.block_id in self.free or self.freed_at.get(obs.block_id, -1) > job.emitted_at:
                 self.fail("S1", f"rank {obs.rank} job {obs.job_id} read block {obs.block_id}, "
                           "freed after the job was emitted")
-            if (gen is not None and gen.ended_at is not None
-                    and job.started_at.get(obs.rank, -1) > gen.ended_at):
+            if (gen is not None and gen.preempted_at is not None
+                    and job.started_at.get(obs.rank, -1) > gen.preempted_at):
                 self.fail("S21", f"rank {obs.rank} job {obs.job_id} dequeued after {gen_key} "
-                          "ended and still put")
+                          "was preempted and still put")
             if obs.accepted is False and obs.code == 0 and obs.key not in job.checked.get(
                     obs.rank, ()):
                 self.fail("S9", f"rank {obs.rank} job {obs.job_id} put {obs.key} unchecked; "

@@ -24,6 +24,17 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvstate.records import GenKey, SaveMeta
+from kvstate.tables import (
+    RETRY,
+    SAVED_MARK,
+    SKIP,
+    RetryEvent,
+    RetryState,
+    SavedMarkEvent,
+    SavedMarkState,
+    SkipEvent,
+    SkipState,
+)
 
 
 class RankRequest:
@@ -39,6 +50,9 @@ class RankRequest:
         "skipped_since",
         "block_ids",
         "hashes",
+        "mark",
+        "skip",
+        "retry_state",
     )
 
     def __init__(self, req_id: str, generation: int, num_groups: int) -> None:
@@ -51,6 +65,39 @@ class RankRequest:
         self.skipped_since: float | None = None
         self.block_ids: list[list[int]] = [[] for _ in range(num_groups)]
         self.hashes: list[bytes] = []
+        self.mark = SavedMarkState.UNSAVED
+        self.skip = SkipState.NOT_SKIPPED
+        self.retry_state = RetryState.CLEAN
+
+    # Every write goes through its machine: a write the table does not allow
+    # (say, a saved mark recorded after the entry retired) raises instead of
+    # silently corrupting state.
+
+    def record_saved(self, offset: int) -> None:
+        self.mark = SAVED_MARK.fire(self.key, self.mark, SavedMarkEvent.RECORD_SAVED)
+        self.saved_offset = offset
+
+    def retire(self) -> None:
+        self.mark = SAVED_MARK.fire(self.key, self.mark, SavedMarkEvent.RETIRE)
+
+    def mark_skipped(self, now: float) -> None:
+        self.skip = SKIP.fire(self.key, self.skip, SkipEvent.MARK)
+        if self.skipped_since is None:
+            self.skipped_since = now
+
+    def clear_skip(self, expired: bool) -> None:
+        self.skip = SKIP.fire(
+            self.key, self.skip, SkipEvent.BACKOFF_EXPIRED if expired else SkipEvent.CLEAR)
+        self.skipped_since = None
+
+    def set_retry(self, value: tuple[int, tuple[int, ...], int] | None) -> None:
+        event = RetryEvent.SAVE_COMPLETED if value is None else RetryEvent.FAILED_WITH_SUFFIX
+        self.retry_state = RETRY.fire(self.key, self.retry_state, event)
+        self.retry = value
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.req_id, self.generation)
 
 
 class Ledger(Protocol):
@@ -104,7 +151,10 @@ class GenerationLedger:
 
     def preempt(self, gen: GenKey) -> RankRequest | None:
         self.finishing.discard(gen)
-        return self.entries.pop(gen, None)
+        entry = self.entries.pop(gen, None)
+        if entry is not None:
+            entry.retire()
+        return entry
 
     def finish(self, gen: GenKey) -> None:
         if gen in self.entries:
@@ -115,7 +165,9 @@ class GenerationLedger:
         if self.finishing:
             for gen in [g for g in self.finishing if not self.entries[g].live]:
                 self.finishing.discard(gen)
-                gone.append(self.entries.pop(gen))
+                entry = self.entries.pop(gen)
+                entry.retire()
+                gone.append(entry)
         return gone
 
     def __len__(self) -> int:
@@ -154,7 +206,10 @@ class RequestIdLedger:
 
     def preempt(self, gen: GenKey) -> RankRequest | None:
         self.finishing.discard(gen[0])
-        return self.entries.pop(gen[0], None)
+        entry = self.entries.pop(gen[0], None)
+        if entry is not None:
+            entry.retire()
+        return entry
 
     def finish(self, gen: GenKey) -> None:
         if gen[0] in self.entries:
@@ -165,7 +220,9 @@ class RequestIdLedger:
         if self.finishing:
             for req_id in [r for r in self.finishing if not self.entries[r].live]:
                 self.finishing.discard(req_id)
-                gone.append(self.entries.pop(req_id))
+                entry = self.entries.pop(req_id)
+                entry.retire()
+                gone.append(entry)
         return gone
 
     def __len__(self) -> int:
@@ -205,5 +262,7 @@ class CounterLedger(RequestIdLedger):
         if self.finishing:
             for req_id in [r for r in self.finishing if self.entries[r].count == 0]:
                 self.finishing.discard(req_id)
-                gone.append(self.entries.pop(req_id))
+                entry = self.entries.pop(req_id)
+                entry.retire()
+                gone.append(entry)
         return gone

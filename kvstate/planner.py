@@ -379,7 +379,7 @@ class Planner:
         tracker.num_saved_tokens = to_save
         token_ids = None
         if tracker.token_ids is not None:
-            token_ids = tuple(tracker.token_ids[start:to_save])
+            token_ids = self.variant.token_snapshot(tracker.token_ids, start, to_save)
         bstart, blocks, hstart, hashes = self.variant.metadata.slice(tracker)
         job_id = self._next_job_id
         self._next_job_id += 1

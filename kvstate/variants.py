@@ -45,6 +45,17 @@ def boundary_without_plus_one(saved: int, block_size: int) -> int:
     return cdiv(saved, block_size) * block_size
 
 
+def snapshot_suffix(tokens: list[int], start: int, end: int) -> tuple[int, ...]:
+    """The token snapshot a job carries: only ``[token_ids_start, num_tokens_to_save)``."""
+    return tuple(tokens[start:end])
+
+
+def snapshot_from_zero(tokens: list[int], start: int, end: int) -> tuple[int, ...]:
+    """Mutant: the snapshot starts at token 0 while ``token_ids_start`` says
+    ``start`` — the off-by-offset the incremental snapshot of seed 1 risks."""
+    return tuple(tokens[0:end - start])
+
+
 def backfill_prompt(prefill_end: int, block_size: int) -> int:
     """A consumer's first decode save starts at 0: with direct P→D transfer the
     prompt may not be in the store, so the decode node puts it (seed 1)."""
@@ -166,7 +177,7 @@ class GuardedRetry:
     def put(executor: Any, live: Any, meta: Any, value: tuple[int, tuple[int, ...], int] | None) -> bool:
         if live is None:
             return False
-        live.retry = value
+        live.set_retry(value)
         return True
 
 
@@ -208,13 +219,21 @@ def offset_advanced(old: int, token_len: int) -> int:
     return token_len
 
 
-def save_from_offset(offset: int) -> int:
+def save_from_offset(offset: int, meta_start: int) -> int:
+    """Seed 2: a rank resumes at what it really saved, whatever the scheduler
+    thinks (its mark is optimistic)."""
     return offset
 
 
-def save_from_zero(offset: int) -> int:
+def save_from_zero(offset: int, meta_start: int) -> int:
     """E0: every job re-checks from chunk 0 (dedup by exists)."""
     return 0
+
+
+def save_from_meta(offset: int, meta_start: int) -> int:
+    """Before seed 2 a rank trusted the scheduler's start; with it, skipping
+    the prompt at the scheduler skips it in the store too."""
+    return max(offset, meta_start)
 
 
 def stride_absolute(first_chunk: int) -> int:
@@ -294,6 +313,7 @@ class Variant:
     upstream: str = ""
     # scheduler side
     chunk_boundary: Callable[[int, int], int] = boundary_plus_one
+    token_snapshot: Callable[[list[int], int, int], tuple[int, ...]] = snapshot_suffix
     consumer_decode_start: Callable[[int, int], int] = backfill_prompt
     skip_prefill_save: Callable[[bool], bool] = consumer_skips_prefill
     skip_on_loading_step: Callable[[bool], bool] = loading_step_skips
@@ -303,7 +323,7 @@ class Variant:
     lookup_namespaces: Callable[[int], range] = all_namespaces
     # worker side
     ledger: Callable[[int], Ledger] = GenerationLedger
-    save_start: Callable[[int], int] = save_from_offset
+    save_start: Callable[[int, int], int] = save_from_offset
     offset_after_failure: Callable[[int, int], int] = offset_kept
     parent: Callable[..., bytes | None] = parent_from_chain
     event_chunks: Callable[[Sequence[int], Sequence[int]], list[int]] = events_for_stored_prefix
@@ -381,7 +401,8 @@ MUTANTS: tuple[Variant, ...] = (
     _mutant("save-on-loading-step", "E2 that saves in the step it loads", "REFERENCE §2",
             skip_on_loading_step=loading_step_saves),
     _mutant("consumer-without-backfill", "E2 whose consumer starts saving at the prompt's "
-            "end", "vLLM#52466 review", consumer_decode_start=no_backfill),
+            "end (and ranks that trust the scheduler's start)", "vLLM#52466 review",
+            consumer_decode_start=no_backfill, save_start=save_from_meta),
     _mutant("consumer-saves-prefill", "E2 whose consumer also saves prefill", "REFERENCE §2",
             skip_prefill_save=consumer_saves_prefill),
     _mutant("advance-offset-on-failure", "E2 that advances the saved offset after a partial "
@@ -394,6 +415,8 @@ MUTANTS: tuple[Variant, ...] = (
             "REFERENCE §2 load path", lookup_namespaces=first_namespace),
     _mutant("swallow-load-errors", "E2 that never reports failed loads", "REFERENCE §2",
             load_errors=drop_load_errors),
+    _mutant("snapshot-from-zero", "E2 whose event token snapshot ignores token_ids_start",
+            "vLLM#52466 (incremental snapshot)", token_snapshot=snapshot_from_zero),
     _mutant("key-without-rank", "E2 whose keys drop the rank namespace", "REFERENCE §5",
             key_rank=key_rank_zero),
 )

@@ -1,0 +1,53 @@
+"""The generated parts of ``specs/``: the invariant catalogue and the diagrams.
+
+``specs/`` is documentation, never read at run time; tests compare it with
+what this module renders, so it cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstate.diagrams import all_diagrams
+from kvstate.invariants import CATALOGUE
+
+
+def render_invariants() -> str:
+    lines = [
+        "# Invariant catalogue",
+        "",
+        "Generated from `kvstate.invariants.CATALOGUE` by `kvstate specs --write`; do not edit.",
+        "`S*` are the invariants found upstream (REFERENCE.md §6), `K*` are kvstate's own",
+        "(DESIGN.md §4). *Broken by* names the protocol variant (or fault) and the scenario",
+        "(`kvstate.scenarios`) under which the checker is shown to fire; the default protocol",
+        "runs the same scenario silently.",
+        "",
+        "S5 (no job dequeued without a ledger entry) has no checker: the executor registers a",
+        "job in the same call that enqueues it, so there is nothing to observe.",
+        "",
+        "| id | invariant | kind | checked at | broken by | scenario | upstream |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for inv in CATALOGUE:
+        lines.append(
+            f"| {inv.id} | {inv.statement} | {inv.kind} | {inv.checked_at} | "
+            f"`{inv.broken_by}` | {inv.scenario} | {inv.upstream} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def rendered_specs() -> dict[str, str]:
+    files = {"invariants.md": render_invariants()}
+    files.update({f"diagrams/{name}": text for name, text in all_diagrams().items()})
+    return files
+
+
+def write_specs(root: Path) -> list[Path]:
+    written = []
+    for rel, text in rendered_specs().items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            written.append(path)
+    return written
