@@ -246,7 +246,9 @@ class Executor:
         failed = [i for i, good in zip(idx, ok) if not good]
         entry = self.ledger.live_entry(meta)
         if entry is not None:
-            advanced = self.variant.offset_after_failure(entry.saved_offset, job.token_len)
+            first_failed = min(job.chunks[i] for i in failed) * self.config.block_size
+            advanced = self.variant.offset_after_failure(
+                entry.saved_offset, first_failed, job.token_len)
             if advanced != entry.saved_offset:
                 entry.record_saved(advanced)
                 self._written(job, "offset", advanced, entry)

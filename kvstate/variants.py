@@ -211,11 +211,20 @@ def backoff_never(skipped_since: float, now: float, backoff: float) -> bool:
     return False
 
 
-def offset_kept(old: int, token_len: int) -> int:
+def offset_to_first_failure(old: int, first_failed: int, token_len: int) -> int:
+    """kvstate: after a partial failure the rank has really saved every chunk
+    it owes below the first failed one, so it resumes there — the next job
+    checks exactly the chunks not yet confirmed, not the whole range again."""
+    return max(old, first_failed)
+
+
+def offset_kept(old: int, first_failed: int, token_len: int) -> int:
+    """Upstream: a partial failure leaves the offset where it was."""
     return old
 
 
-def offset_advanced(old: int, token_len: int) -> int:
+def offset_advanced(old: int, first_failed: int, token_len: int) -> int:
+    """Mutant: the failed range is treated as saved and never retried."""
     return token_len
 
 
@@ -324,7 +333,7 @@ class Variant:
     # worker side
     ledger: Callable[[int], Ledger] = GenerationLedger
     save_start: Callable[[int, int], int] = save_from_offset
-    offset_after_failure: Callable[[int, int], int] = offset_kept
+    offset_after_failure: Callable[[int, int, int], int] = offset_to_first_failure
     parent: Callable[..., bytes | None] = parent_from_chain
     event_chunks: Callable[[Sequence[int], Sequence[int]], list[int]] = events_for_stored_prefix
     retry: Any = GuardedRetry
@@ -354,6 +363,7 @@ E2 = attrs.evolve(
     event_chunks=events_for_puts,
     ledger=RequestIdLedger,
     skip_expired=backoff_never,
+    offset_after_failure=offset_kept,
 )
 
 E1 = attrs.evolve(

@@ -1,0 +1,139 @@
+"""Keys, chunks and store masks (REFERENCE.md §5, seed 2)."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstate.config import ConnectorConfig, GroupKind, GroupSpec
+from kvstate.keys import (
+    HashChain,
+    block_hash,
+    chain_hashes,
+    chunk_hash,
+    chunk_ids,
+    config_fingerprint,
+    key_for,
+    key_prefix,
+    parent_hash,
+    store_mask,
+)
+
+
+def test_key_string_is_byte_identical_to_upstream_example() -> None:
+    config = ConnectorConfig(model_name="test-model")
+    assert key_for(key_prefix(config, 0, 0), bytes.fromhex("6130")) == (
+        "test-model@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@6130"
+    )
+
+
+def test_key_uses_last_model_path_component_prefix_and_striding() -> None:
+    config = ConnectorConfig(model_name="/models/org/Llama-3-8B/", cache_prefix="prod",
+                             world_size=4, put_step=2, pp_rank=1)
+    assert key_prefix(config, 3, 1) == "prod@Llama-3-8B@tp_rank:1@pcp0@dcp0@pp_rank:1@group:1"
+
+
+def test_config_fingerprint_segment_separates_deployments() -> None:
+    fp16 = config_fingerprint(dtype="float16", layout="NHD")
+    fp8 = config_fingerprint(dtype="fp8_e4m3", layout="NHD")
+    assert fp16 != fp8 and len(fp16) == 16
+    assert config_fingerprint(layout="NHD", dtype="float16") == fp16  # order-free
+    a = key_prefix(ConnectorConfig(config_fingerprint=fp16), 0, 0)
+    b = key_prefix(ConnectorConfig(config_fingerprint=fp8), 0, 0)
+    assert a.startswith(f"test-model@cfg:{fp16}@tp_rank:0") and a != b
+    # Empty keeps the historical format.
+    assert "@cfg:" not in key_prefix(ConnectorConfig(), 0, 0)
+
+
+def test_hash_chain_is_incremental_and_chained() -> None:
+    tokens = list(range(40))
+    chain = HashChain(8)
+    new = chain.extend(tokens[:13]) + chain.extend(tokens[13:])
+    assert new == chain.hashes == chain_hashes(tokens, 8)
+    assert len(chain.hashes) == 5
+    assert chain.hashes[1] == block_hash(chain.hashes[0], tokens[8:16])
+    # A different first block changes every later hash (the chain names the prefix).
+    other = chain_hashes([99] + tokens[1:], 8)
+    assert all(x != y for x, y in zip(other, chain.hashes))
+
+
+def test_chunk_is_keyed_by_its_last_sub_hash_and_parent_is_the_predecessor() -> None:
+    hashes = chain_hashes(list(range(64)), 4)  # 16 hash blocks of 4 tokens
+    assert chunk_hash(hashes, 0, 4) == hashes[3]
+    assert chunk_hash(hashes, 2, 4) == hashes[11]
+    assert parent_hash(hashes, 0, 4) is None
+    assert parent_hash(hashes, 32, 4) == hashes[7]
+
+
+def _reference_chunks(start, end, bs, mask, step, residue):
+    first = -(-start // bs)
+    out = []
+    for i, cid in enumerate(range(first, -(-end // bs))):
+        if mask is not None and (i >= len(mask) or not mask[i]):
+            continue
+        if cid % step == residue:
+            out.append(cid)
+    return out
+
+
+def test_process_tokens_over_mask_and_stride_combinations() -> None:
+    bs = 4
+    for start, end, step in itertools.product((0, 4, 6, 12), (16, 32), (1, 2, 4)):
+        n = -(-end // bs) - (-(-start // bs))
+        for mask in (None, [True] * n, [i % 3 == 0 for i in range(n)], [False] * n):
+            seen: list[int] = []
+            for residue in range(step):
+                got = list(chunk_ids(start, end, bs, mask, step, residue))
+                assert got == _reference_chunks(start, end, bs, mask, step, residue)
+                assert all(cid % step == residue for cid in got)  # absolute chunk id
+                seen.extend(got)
+            # The ranks' strides partition the masked chunks: each exactly once (S11).
+            assert sorted(seen) == _reference_chunks(start, end, bs, mask, 1, 0)
+
+
+def _swa(window: int, alignment: int, bs: int = 4) -> ConnectorConfig:
+    return ConnectorConfig(
+        block_size=bs,
+        alignment=alignment,
+        groups=(GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, window)),
+    )
+
+
+def test_sliding_window_mask_keeps_only_blocks_before_each_boundary() -> None:
+    config = _swa(window=6, alignment=16)  # 5 earlier tokens: 2 blocks before each boundary
+    full, swa = store_mask(config, 32)
+    assert full is None
+    assert swa == [False, False, True, True] * 2
+
+
+windows = st.integers(1, 40)
+blocks = st.sampled_from([2, 4, 8])
+segments = st.integers(1, 6)
+
+
+@given(windows, blocks, segments, st.integers(1, 8), st.integers(0, 8))
+def test_store_mask_prefix_is_stable_as_the_aligned_length_grows(w, bs, seg, n, more) -> None:
+    config = _swa(w, seg * bs, bs)
+    align = config.lcm_block_size
+    short = store_mask(config, n * align)[1]
+    long = store_mask(config, (n + more) * align)[1]
+    if short is None:
+        assert long is None
+    else:
+        assert long is not None and long[: len(short)] == short
+
+
+@given(windows, blocks, segments, st.integers(1, 8), st.integers(0, 64))
+def test_suffix_mask_equals_the_full_masks_tail(w, bs, seg, n, start) -> None:
+    config = _swa(w, seg * bs, bs)
+    end = n * config.lcm_block_size
+    start = min(start, end)
+    full = store_mask(config, end)[1]
+    suffix = store_mask(config, end, start)[1]
+    first = -(-start // bs)
+    if full is None:
+        assert suffix is None
+    else:
+        assert suffix == full[first:]
