@@ -215,12 +215,15 @@ class Executor:
             return self._succeeded(job)
         job.state = JOB.fire(key, job.state, _JE.PUT_MISSING)
         idx = job.pending
+        if len(idx) == len(job.keys):  # the common case on a decode save: nothing deduped
+            return PutCall(self.rank, job.meta.job_id, job.keys, tuple(job.groups),
+                           tuple(job.blocks), tuple(job.chunks))
         return PutCall(
             self.rank, job.meta.job_id,
-            tuple(job.keys[i] for i in idx),
-            tuple(job.groups[i] for i in idx),
-            tuple(job.blocks[i] for i in idx),
-            tuple(job.chunks[i] for i in idx),
+            tuple([job.keys[i] for i in idx]),
+            tuple([job.groups[i] for i in idx]),
+            tuple([job.blocks[i] for i in idx]),
+            tuple([job.chunks[i] for i in idx]),
         )
 
     def put_answered(self, job: RankJob, codes: Sequence[int]) -> Report:

@@ -198,7 +198,7 @@ class Monitor:
         self.freed_at: dict[int, int] = {}
         self.store: set[str] = set()
         self.frontier: dict[tuple[int, GenKey], int] = {}
-        self.offsets: dict[tuple[int, str, int | None], int] = {}
+        self.offsets: dict[tuple[int, str, int], int] = {}
         self.known_blocks: set[bytes] = set()
         self._computed_next: dict[str, int] = {}
         self._prefixes = {
@@ -344,7 +344,7 @@ class Monitor:
             self.fail("S3", f"rank {obs.rank} job {obs.job_id} of generation {obs.generation} "
                       f"wrote the {obs.field} of {obs.req_id!r}, now generation {newest}")
         if obs.field == "offset":
-            key = (obs.rank, obs.req_id, obs.scope_generation)
+            key = (obs.rank, obs.req_id, obs.generation)
             before = self.offsets.get(key, 0)
             if obs.value < before:
                 self.fail("S12", f"rank {obs.rank} offset of {obs.req_id!r} moved back "

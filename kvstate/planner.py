@@ -99,6 +99,7 @@ class Planner:
 
     def _new_tracker(self, req_id: str) -> Tracker:
         tracker = Tracker(req_id, self._next_generation, self._num_groups, self.config.world_size)
+        tracker.save_at = self.variant.chunk_boundary(0, self.config.block_size)
         self._next_generation += 1
         return tracker
 
@@ -325,22 +326,29 @@ class Planner:
                         if is_consumer:
                             tracker.num_saved_tokens = variant.consumer_decode_start(
                                 tracker.prefill_end, bs)
+                            tracker.save_at = variant.chunk_boundary(tracker.num_saved_tokens, bs)
                 else:
                     tracker.state = REQUEST.fire(
                         tracker.gen_key, tracker.state, _RE.SCHEDULE_PREFILL)
                 tracker.token_len += len(cached.new_token_ids)
                 if events_on and tracker.token_ids is not None:
                     tracker.token_ids.extend(cached.new_token_ids)
-                for g, ids in enumerate(cached.new_block_ids):
-                    if ids:
-                        tracker.block_ids[g].extend(ids)
+                new_blocks = cached.new_block_ids
+                if len(new_blocks) == 1:
+                    if new_blocks[0]:
+                        tracker.block_ids[0].extend(new_blocks[0])
+                else:
+                    for g, ids in enumerate(new_blocks):
+                        if ids:
+                            tracker.block_ids[g].extend(ids)
                 if cached.new_block_hashes:
                     tracker.hashes.extend(cached.new_block_hashes)
                 if is_consumer and not is_decode:
                     continue
-                if tracker.token_len // bs * bs < variant.chunk_boundary(
-                        tracker.num_saved_tokens, bs):
-                    continue  # nothing new to save: skip the call on the hot path
+                # save_at is the chunk boundary (a multiple of the block size), so
+                # "a full block past it exists" is a plain comparison.
+                if tracker.token_len < tracker.save_at:
+                    continue
                 self._maybe_save(tracker, False, is_decode, saves, pins)
 
         # Load-only metas for requests allocated with an external hit since the
@@ -374,9 +382,10 @@ class Planner:
         bs = self.config.block_size
         start = tracker.num_saved_tokens
         to_save = tracker.token_len // bs * bs
-        if skip or to_save < self.variant.chunk_boundary(start, bs):
+        if skip or to_save < tracker.save_at:
             return
         tracker.num_saved_tokens = to_save
+        tracker.save_at = self.variant.chunk_boundary(to_save, bs)
         token_ids = None
         if tracker.token_ids is not None:
             token_ids = self.variant.token_snapshot(tracker.token_ids, start, to_save)

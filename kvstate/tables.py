@@ -67,6 +67,14 @@ S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 
 
+class TableEnum(enum.Enum):
+    """States and events hash by identity: members are singletons, and Enum's
+    own ``__hash__`` (``hash(self._name_)``, Python code) is the single largest
+    cost of a table dispatch on the hot path."""
+
+    __hash__ = object.__hash__
+
+
 class IllegalTransition(Exception):
     """An event arrived in a state whose table row does not list it."""
 
@@ -92,10 +100,10 @@ class Machine(Generic[S, E]):
 
     def fire(self, key: Hashable, state: S, event: E) -> S:
         """Next state, or IllegalTransition naming machine, key, state, event."""
-        nxt = self.table[state].get(event)
-        if nxt is None:
-            raise IllegalTransition(self.name, key, state, event)
-        return nxt
+        try:
+            return self.table[state][event]  # zero-cost try: two dict lookups
+        except KeyError:
+            raise IllegalTransition(self.name, key, state, event) from None
 
     def enabled(self, state: S) -> frozenset[E]:
         return frozenset(self.table[state])
@@ -113,7 +121,7 @@ class Machine(Generic[S, E]):
 # REQUEST: scheduler-side lifecycle of one request generation.
 
 
-class RequestState(enum.Enum):
+class RequestState(TableEnum):
     ABSENT = "absent"
     LOOKUP_PENDING = "lookup_pending"
     ALLOCATED = "allocated"
@@ -125,7 +133,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-class RequestEvent(enum.Enum):
+class RequestEvent(TableEnum):
     LOOKUP_STARTED = "lookup_started"
     ALLOCATE = "allocate"
     PARK_FOR_LOAD = "park_for_load"
@@ -193,7 +201,7 @@ REQUEST = Machine(
 # JOB: one store job on one rank.
 
 
-class JobState(enum.Enum):
+class JobState(TableEnum):
     EMITTED = "emitted"
     QUEUED = "queued"
     RUNNING = "running"
@@ -208,7 +216,7 @@ class JobState(enum.Enum):
     RELEASED = "released"
 
 
-class JobEvent(enum.Enum):
+class JobEvent(TableEnum):
     ENQUEUE = "enqueue"
     DEQUEUE = "dequeue"
     FOUND_STALE = "found_stale"
@@ -279,12 +287,12 @@ JOB_OUTCOMES: frozenset[JobState] = frozenset(_OUTCOMES)
 # PRESSURE (per rank), SKIP and RETRY (per rank and request generation).
 
 
-class PressureState(enum.Enum):
+class PressureState(TableEnum):
     CLEAR = "clear"
     PRESSURED = "pressured"
 
 
-class PressureEvent(enum.Enum):
+class PressureEvent(TableEnum):
     PUT_REJECTED = "put_rejected"
     PUT_SUCCEEDED = "put_succeeded"
 
@@ -308,12 +316,12 @@ PRESSURE = Machine(
 )
 
 
-class SkipState(enum.Enum):
+class SkipState(TableEnum):
     NOT_SKIPPED = "not_skipped"
     SKIPPED = "skipped"
 
 
-class SkipEvent(enum.Enum):
+class SkipEvent(TableEnum):
     MARK = "mark"
     CLEAR = "clear"
     BACKOFF_EXPIRED = "backoff_expired"
@@ -340,12 +348,12 @@ SKIP = Machine(
 )
 
 
-class RetryState(enum.Enum):
+class RetryState(TableEnum):
     CLEAN = "clean"
     HELD = "held"
 
 
-class RetryEvent(enum.Enum):
+class RetryEvent(TableEnum):
     FAILED_WITH_SUFFIX = "failed_with_suffix"
     SAVE_COMPLETED = "save_completed"
 
@@ -376,13 +384,13 @@ RETRY = Machine(
 # PIN and SAVED_MARK.
 
 
-class PinState(enum.Enum):
+class PinState(TableEnum):
     UNPINNED = "unpinned"
     PINNED = "pinned"
     RELEASED = "released"
 
 
-class PinEvent(enum.Enum):
+class PinEvent(TableEnum):
     PIN = "pin"
     CONFIRMED_BY_ALL_RANKS = "confirmed_by_all_ranks"
     UNREADABLE = "unreadable"
@@ -410,13 +418,13 @@ PIN = Machine(
 )
 
 
-class SavedMarkState(enum.Enum):
+class SavedMarkState(TableEnum):
     UNSAVED = "unsaved"
     ADVANCED = "advanced"
     RETIRED = "retired"
 
 
-class SavedMarkEvent(enum.Enum):
+class SavedMarkEvent(TableEnum):
     RECORD_SAVED = "record_saved"
     RETIRE = "retire"
 

@@ -27,6 +27,7 @@ class Tracker:
         "token_len",
         "block_ids",
         "num_saved_tokens",
+        "save_at",
         "token_ids",
         "prefill_end",
         "hashes",
@@ -49,6 +50,8 @@ class Tracker:
         self.token_len = 0
         self.block_ids: list[list[int]] = [[] for _ in range(num_groups)]
         self.num_saved_tokens = 0
+        # The next chunk boundary: a save needs token_len >= save_at.
+        self.save_at = 0
         self.token_ids: list[int] | None = None
         self.prefill_end = 0
         self.hashes: list[bytes] = []

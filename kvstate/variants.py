@@ -177,7 +177,8 @@ class GuardedRetry:
     def put(executor: Any, live: Any, meta: Any, value: tuple[int, tuple[int, ...], int] | None) -> bool:
         if live is None:
             return False
-        live.set_retry(value)
+        if value is not None or live.retry is not None:
+            live.set_retry(value)
         return True
 
 
