@@ -140,7 +140,6 @@ class Harness:
              hold: Iterable[str] = ()) -> Plan:
         self.deliver_reports()
         config = self.config
-        bs = config.block_size
         budget = self.token_budget
         hold = set(hold)
         finished = list(finish)
@@ -300,7 +299,7 @@ class Harness:
 
     def _load(self, executor: Executor, call: GetCall) -> None:
         ok: list[bool] = []
-        for key, group, block in zip(call.keys, call.groups, call.block_ids):
+        for key, _group, block in zip(call.keys, call.groups, call.block_ids):
             got = self.store.get(executor.rank, key)
             good = got is not None and got.split("|", 1)[0] == key.rsplit("@", 1)[1]
             ok.append(good)

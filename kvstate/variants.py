@@ -89,12 +89,19 @@ class DeltaMetadata:
     @staticmethod
     def resolve(entry: Any, meta: Any) -> tuple[list[list[int]], list[bytes]]:
         """Apply a meta's slice to the rank's mirror; return the mirror."""
+        start = meta.block_ids_start
         for g, ids in enumerate(meta.block_ids):
             table = entry.block_ids[g]
-            # Slice assignment both appends (start == len) and replaces (start 0).
-            table[meta.block_ids_start:] = ids
-        entry.hashes[meta.hashes_start:] = meta.block_hashes
-        return entry.block_ids, entry.hashes
+            if start == len(table):
+                table.extend(ids)  # the usual case; ~2x cheaper than slice assignment
+            else:
+                table[start:] = ids  # a step the rank missed or a replaced table
+        hashes = entry.hashes
+        if meta.hashes_start == len(hashes):
+            hashes.extend(meta.block_hashes)
+        else:
+            hashes[meta.hashes_start:] = meta.block_hashes
+        return entry.block_ids, hashes
 
 
 class FullMetadata:

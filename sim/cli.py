@@ -138,6 +138,34 @@ def cmd_diagram(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sim.bench import bench_core, format_report, ratio_lines
+
+    if args.quick:
+        results = bench_core(contexts=(1024, 16384), requests=64, cycles=1, repeats=1)
+    else:
+        results = bench_core(contexts=tuple(args.context), requests=args.requests,
+                             world=args.world_size, cycles=args.cycles, repeats=args.repeats)
+    if args.json:
+        print(json.dumps({"ok": True, "violations": [], "results": results,
+                          "ratios": ratio_lines(results)}, sort_keys=True))
+    else:
+        print(f"core bookkeeping per request-step, {next(iter(results.values()))['requests']} "
+              "decoding requests, block size 16, no store I/O (medians, microseconds)")
+        print(format_report(results))
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
     specs.add_argument("--write", action="store_true")
     specs.add_argument("--json", action="store_true")
     specs.set_defaults(func=cmd_specs)
+
+    bench = sub.add_parser("bench", help="benchmark the core's bookkeeping against e2")
+    bench.add_argument("--quick", action="store_true", help="small sizes (seconds)")
+    bench.add_argument("--context", type=_positive_int, nargs="+", default=[1024, 131072])
+    bench.add_argument("--requests", type=_positive_int, default=256)
+    bench.add_argument("--world-size", type=_positive_int, default=8)
+    bench.add_argument("--cycles", type=_positive_int, default=2)
+    bench.add_argument("--repeats", type=_positive_int, default=3)
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(func=cmd_bench)
 
     diagram = sub.add_parser("diagram", help="print one machine's table as mermaid")
     diagram.add_argument("machine", help="request, job, pressure, skip, retry, pin, saved_mark")

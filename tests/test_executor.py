@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstate.config import ConnectorConfig
-from kvstate.events import OrderedQuorum, ValueCountQuorum, BlockStored
+from kvstate.events import BlockStored, OrderedQuorum, ValueCountQuorum
 from kvstate.harness import Harness
 from kvstate.keys import chain_hashes, parent_hash
 from kvstate.memory_store import MemoryStore

@@ -1,0 +1,85 @@
+"""The command line: exit codes 0/1/2, --json, clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sim.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_demo_default_protocol_survives_and_e2_is_caught(capsys) -> None:
+    code, out = run_json(capsys, "demo")
+    assert code == 0 and out["ok"] is True and out["violations"] == []
+    e2 = next(r for r in out["runs"] if r["protocol"] == "e2")
+    assert e2["violations"] and e2["save_jobs"] > 0 and e2["puts"] > 0
+    code, out = run_json(capsys, "demo", "--protocol", "e2", "--compare")
+    assert code == 1 and out["ok"] is False
+    assert {"invariant", "event_index", "message"} <= set(out["violations"][0])
+
+
+def test_demo_human_output_names_what_was_simulated(capsys) -> None:
+    assert main(["demo"]) == 0
+    text = capsys.readouterr().out
+    assert "save_jobs" in text and "result: ok for protocol kvstate" in text
+
+
+def test_scenarios_command_reports_violations_with_exit_1(capsys) -> None:
+    code, out = run_json(capsys, "scenarios", "preempt-running-job", "--protocol", "e1")
+    assert code == 1 and "S1" in out["runs"][0]["fired"]
+    code, out = run_json(capsys, "scenarios", "preempt-running-job")
+    assert code == 0 and out["runs"][0]["fired"] == []
+
+
+def test_bad_input_exits_2_with_a_clear_message(capsys) -> None:
+    assert main(["scenarios", "no-such-scenario"]) == 2
+    assert "unknown scenario 'no-such-scenario'" in capsys.readouterr().err
+    assert main(["diagram", "nope"]) == 2
+    assert "unknown machine 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        main(["demo", "--protocol", "e3"])
+    assert err.value.code == 2
+    assert "unknown protocol 'e3'" in capsys.readouterr().err
+
+
+def test_specs_are_fresh_and_diagram_prints_mermaid(capsys) -> None:
+    code, out = run_json(capsys, "specs", "--root", str(ROOT / "specs"))
+    assert code == 0 and out["stale"] == []
+    code, out = run_json(capsys, "diagram", "job")
+    assert code == 0 and out["mermaid"].startswith("stateDiagram-v2")
+
+
+def test_bench_quick_reports_both_protocols_and_ratios(capsys) -> None:
+    code, out = run_json(capsys, "bench", "--quick")
+    assert code == 0
+    assert set(out["results"]) == {"kvstate@1024", "kvstate@16384", "e2@1024", "e2@16384"}
+    for figures in out["results"].values():
+        assert figures["exists_keys_per_decode_save"] == figures["new_chunks_per_decode_save"]
+    assert any("e2/kvstate" in line for line in out["ratios"])
+
+
+def test_console_entry_point_runs_as_a_module() -> None:
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "demo", "--protocol", "bogus"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_readme_commands_and_ci_agree() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash")[1:3]]
+    assert len(blocks) == 2 and "kvstate demo" in blocks[0]
+    test_command = blocks[1]
+    assert "pytest" in test_command and "ruff" in test_command and "mypy" in test_command
+    assert test_command in ci, ".ci/run must run the README's test command verbatim"
