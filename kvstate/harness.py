@@ -14,7 +14,8 @@ the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstate.block_pool import BlockPool
 from kvstate.config import ConnectorConfig
@@ -67,6 +68,7 @@ class EngineRequest:
     __slots__ = (
         "req_id", "prompt", "tokens", "max_new_tokens", "computed", "blocks", "chain",
         "sent_hashes", "status", "resume", "pending_load", "load_async", "lookup",
+        "hit", "transferred",
     )
 
     def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
@@ -84,9 +86,17 @@ class EngineRequest:
         self.pending_load: int = 0
         self.load_async = False
         self.lookup = False
+        self.hit: int | None = None  # lookup answer, once asked
+        self.transferred = False  # prompt KV arrived from a prefill engine (P/D)
 
 
 class Harness:
+    """See the module docstring. ``record`` keeps every observation in ``log``
+    and every plan in ``plans`` (scenario tests read them; the simulator streams
+    observations to a trace instead); ``keep_finished`` keeps finished requests
+    in ``finished`` for inspection; ``auto_preempt`` preempts the newest running
+    request when blocks run out, as vLLM's scheduler does (recompute)."""
+
     def __init__(
         self,
         config: ConnectorConfig,
@@ -95,43 +105,72 @@ class Harness:
         store: MemoryStore | None = None,
         token_budget: int = 1 << 30,
         monitor: Monitor | None = None,
+        *,
+        record: bool = True,
+        keep_finished: bool = True,
+        auto_preempt: bool = False,
+        sink: Callable[[Observation], None] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
         self.variant = get_variant(variant) if isinstance(variant, str) else variant
         self.monitor = monitor if monitor is not None else Monitor(config)
+        self.record = record
+        self.keep_finished = keep_finished
+        self.auto_preempt = auto_preempt
+        self.sink = sink
         self.log: list[Observation] = []
         self.now = 0.0
+        self.clock = clock if clock is not None else (lambda: self.now)
         self.pool = BlockPool(num_blocks, self.observe)
         self.store = store if store is not None else MemoryStore()
         self.planner = Planner(config, self.variant)
         self.ranks = [
-            Executor(config, r, self.variant, clock=lambda: self.now, observer=self.observe)
+            Executor(config, r, self.variant, clock=self.clock, observer=self.observe)
             for r in range(config.world_size)
         ]
         self.token_budget = token_budget
         self.requests: dict[str, EngineRequest] = {}
+        self.running: list[EngineRequest] = []
+        self.waiting: deque[EngineRequest] = deque()
+        self.finished: dict[str, EngineRequest] = {}
         self.outbox: list[Report] = []
         self.current: dict[int, tuple[RankJob, ExistsCall | PutCall]] = {}
         self.published: list = []
         self.plans: list[Plan] = []
+        self.preemptions = 0
         self._load_reports: list[LoadReport] = []
 
     # ------------------------------------------------------------------
 
     def observe(self, obs: Observation) -> None:
-        self.log.append(obs)
+        if self.record:
+            self.log.append(obs)
+        if self.sink is not None:
+            self.sink(obs)
         self.monitor.observe(obs)
 
     def add(self, req_id: str, prompt: Sequence[int], max_new_tokens: int = 0, *,
-            lookup: bool = False, load_async: bool = False) -> None:
+            lookup: bool = False, load_async: bool = False, transferred: bool = False) -> None:
+        """A client submits a request (reusing ``req_id`` only once it finished).
+        ``transferred``: its prompt KV arrives directly from a prefill engine."""
         old = self.requests.get(req_id)
-        if old is not None and old.status != "finished":
+        if old is not None:
             raise ValueError(f"request {req_id!r} is still {old.status}")
+        self.finished.pop(req_id, None)
         req = EngineRequest(req_id, prompt, max_new_tokens, len(self.config.groups),
                             self.config.hash_block)
-        req.lookup = lookup
+        req.lookup = lookup and not transferred
         req.load_async = load_async
+        req.transferred = transferred
         self.requests[req_id] = req
+        self.waiting.append(req)
+
+    def __getitem__(self, req_id: str) -> EngineRequest:
+        req = self.requests.get(req_id) or self.finished.get(req_id)
+        if req is None:
+            raise KeyError(req_id)
+        return req
 
     # ------------------------------------------------------------------
     # One engine step.
@@ -142,60 +181,75 @@ class Harness:
         config = self.config
         budget = self.token_budget
         hold = set(hold)
-        finished = list(finish)
-        for req in self.requests.values():
-            if (req.status == "running" and req.computed >= len(req.prompt)
+        finished = [r for r in finish if r in self.requests]
+        for req in self.running:
+            if (req.computed >= len(req.prompt)
                     and len(req.tokens) - len(req.prompt) >= req.max_new_tokens
                     and req.computed >= len(req.tokens) - 1 and req.req_id not in finished):
                 finished.append(req.req_id)
-        preempted = list(preempt)
         engine_frees: list[int] = []
         for req_id in finished:
-            req = self.requests[req_id]
+            req = self.requests.pop(req_id)
             for table in req.blocks:
                 engine_frees.extend(reversed(table))
             req.blocks = [[] for _ in config.groups]
             req.status = "finished"
-        for req_id in preempted:
-            # vLLM frees a preempted request's blocks inside schedule(), before
-            # anything else is scheduled: only the connector's pins hold them.
-            req = self.requests[req_id]
-            for table in req.blocks:
-                self.pool.unref(reversed(table))
-            req.blocks = [[] for _ in config.groups]
-            req.computed = 0
-            req.chain = HashChain(config.hash_block)
-            req.sent_hashes = 0
-            req.status = "waiting"
-            req.resume = True
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            if self.keep_finished:
+                self.finished[req_id] = req
+        preempted: list[str] = []
+        for req_id in preempt:
+            self._preempt(self.requests[req_id], preempted)
 
         new: list[NewRequest] = []
         resumed: list[ResumedRequest] = []
         cached: list[CachedRequest] = []
         forward: list[tuple[EngineRequest, int]] = []
-        for req in self.requests.values():
-            if req.req_id in hold or req.req_id in preempted or budget <= 0:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            if req.req_id in hold:
+                index += 1
                 continue
-            if req.status == "running":
-                if req.computed < len(req.prompt):
-                    n = min(len(req.prompt) - req.computed, budget)
-                else:
-                    n = 1
-                if req.computed + n > len(req.tokens):
-                    continue
+            n = min(len(req.prompt) - req.computed, budget) if req.computed < len(req.prompt) else 1
+            if req.computed + n > len(req.tokens):
+                index += 1
+                continue
+            new_blocks = self._grow(req, req.computed + n)
+            while new_blocks is None and self.auto_preempt:
+                # vLLM: preempt the lowest-priority running request (the newest),
+                # possibly this one, and try again.
+                victim = self.running[-1]
+                self._preempt(victim, preempted)
+                if victim is req:
+                    break
                 new_blocks = self._grow(req, req.computed + n)
-                if new_blocks is None:
+            if new_blocks is None:
+                index += 1
+                continue
+            ids = tuple(req.tokens[req.computed:req.computed + n])
+            fresh = tuple(req.chain.extend(ids))
+            cached.append(CachedRequest(req.req_id, req.computed, ids, new_blocks, fresh))
+            budget -= n
+            forward.append((req, n))
+            index += 1
+        if not preempted:  # vLLM admits nothing new in a step that had to preempt
+            for req in list(self.waiting):
+                if budget <= 0:
+                    break
+                if req.req_id in hold or req.status != "waiting":
                     continue
-                ids = tuple(req.tokens[req.computed:req.computed + n])
-                fresh = tuple(req.chain.extend(ids))
-                cached.append(CachedRequest(req.req_id, req.computed, ids, new_blocks, fresh))
-                budget -= n
-                forward.append((req, n))
-            elif req.status == "waiting":
                 admitted = self._admit(req, budget)
                 if admitted is None:
-                    continue
+                    if req.status == "parked":
+                        continue
+                    break  # FCFS: the head of the queue waits for blocks
                 record, n = admitted
+                self.waiting.remove(req)
+                self.running.append(req)
                 if isinstance(record, ResumedRequest):
                     resumed.append(record)
                 else:
@@ -207,7 +261,8 @@ class Harness:
                               tuple(finished))
         self.observe(StepScheduled(sched))
         plan = self.planner.step(sched)
-        self.plans.append(plan)
+        if self.record:
+            self.plans.append(plan)
         self.observe(Planned(plan))
         # A finished request's blocks are freed after request_finished, so a
         # delayed-free pin taken at finish (E1) still lands first.
@@ -222,6 +277,23 @@ class Harness:
             self._forward(req, n)
         self.now += 1.0
         return plan
+
+    def _preempt(self, req: EngineRequest, preempted: list[str]) -> None:
+        """vLLM frees a preempted request's blocks inside schedule(), before
+        anything else is scheduled: only the connector's pins hold them."""
+        for table in req.blocks:
+            self.pool.unref(reversed(table))
+        req.blocks = [[] for _ in self.config.groups]
+        req.computed = 0
+        req.chain = HashChain(self.config.hash_block)
+        req.sent_hashes = 0
+        req.status = "waiting"
+        req.resume = True
+        if req in self.running:
+            self.running.remove(req)
+        self.waiting.appendleft(req)
+        preempted.append(req.req_id)
+        self.preemptions += 1
 
     def _grow(self, req: EngineRequest, tokens: int) -> tuple[tuple[int, ...], ...] | None:
         need = cdiv(tokens, self.config.block_size) - len(req.blocks[0])
@@ -251,17 +323,22 @@ class Harness:
             hashes = tuple(req.chain.extend(req.tokens[:n]))
             return ResumedRequest(req.req_id, tuple(req.tokens), 0, n,
                                   tuple(tuple(t) for t in req.blocks), hashes), n
+        if req.transferred:
+            return self._admit_transferred(req)
         if req.status == "waiting" and req.pending_load:
             # Loaded asynchronously while parked: scheduled now from the hit on.
             hit = req.computed
         else:
-            hit = 0
-            if req.lookup:
-                hashes_all = HashChain(config.hash_block, req.prompt).hashes
-                query = self.planner.lookup(req.req_id, len(req.prompt), hashes_all)
-                present = tuple(self.store.exists(-1, query.keys))
-                hit = self.planner.lookup_answered(query, present)
-                self.observe(LookupDone(req.req_id, query.generation, query.keys, present, hit))
+            if req.hit is None:
+                req.hit = 0
+                if req.lookup:
+                    hashes_all = HashChain(config.hash_block, req.prompt).hashes
+                    query = self.planner.lookup(req.req_id, len(req.prompt), hashes_all)
+                    present = tuple(self.store.exists(-1, query.keys))
+                    req.hit = self.planner.lookup_answered(query, present)
+                    self.observe(LookupDone(req.req_id, query.generation, query.keys, present,
+                                            req.hit))
+            hit = req.hit
             if self._grow(req, max(hit, min(len(req.prompt), hit + budget))) is None:
                 return None
             self.planner.allocate(req.req_id, req.blocks, 0, hit, req.load_async and hit > 0)
@@ -279,6 +356,27 @@ class Harness:
         hashes = tuple(req.chain.extend(req.tokens[:hit + n]))
         return NewRequest(req.req_id, req.prompt, hit, n,
                           tuple(tuple(t) for t in req.blocks), hashes), n
+
+    def _admit_transferred(self, req: EngineRequest) -> tuple[NewRequest, int] | None:
+        """P/D: the prompt's KV arrived from the prefill engine straight into
+        freshly allocated blocks (not through the store); decode starts now."""
+        config = self.config
+        if self._grow(req, len(req.prompt) + 1) is None:
+            return None
+        self.planner.allocate(req.req_id, req.blocks, 0, 0, False)
+        req.chain = HashChain(config.hash_block)
+        req.chain.extend(req.prompt)
+        for idx in range(len(req.prompt) // config.block_size):
+            digest = chunk_hash(req.chain.hashes, idx, config.hashes_per_block).hex()
+            for table in req.blocks:
+                self.pool.write(table[idx], digest)
+        req.computed = len(req.prompt)
+        req.tokens.append(token_for(req.req_id, len(req.tokens)))
+        req.status = "running"
+        ids = req.tokens[req.computed:req.computed + 1]
+        hashes = tuple(req.chain.hashes) + tuple(req.chain.extend(ids))
+        return NewRequest(req.req_id, req.prompt, req.computed, 1,
+                          tuple(tuple(t) for t in req.blocks), hashes), 1
 
     def _forward(self, req: EngineRequest, n: int) -> None:
         """The model ran: blocks filled by this step get their content."""
@@ -407,7 +505,7 @@ class Harness:
         """Run until nothing is left to do, then hand monitors the liveness check."""
         for _ in range(max_steps):
             self.run_ranks()
-            busy = any(r.status in ("running", "waiting", "parked") for r in self.requests.values())
+            busy = bool(self.requests)
             if not busy and not self.outbox and not any(e.queue for e in self.ranks) \
                     and not self.current:
                 break

@@ -64,7 +64,8 @@ def preempt_running_job(variant: str | Variant) -> Harness:
     h.step()                       # a prefills 2 blocks; job 1 saves [0, 8)
     h.advance(0)                   # rank 0: exists → put pending
     h.add("b", prompt(8, salt=7))
-    h.step(preempt=["a"], hold=["a"])  # b takes whatever blocks are free
+    h.step(preempt=["a"], hold=["a"])  # blocks freed; vLLM admits nothing this step
+    h.step(hold=["a"])             # b takes whatever blocks are free
     h.run_ranks()                  # the pending put reads a's blocks now
     h.settle()
     return h

@@ -35,7 +35,7 @@ def test_first_job_after_a_failed_put_checks_only_unconfirmed_chunks() -> None:
 
 def published_parents_follow_the_chain(h: Harness) -> None:
     chains = {}
-    for req in h.requests.values():
+    for req in [*h.requests.values(), *h.finished.values()]:
         chains.update({d: i for i, d in enumerate(chain_hashes(req.tokens, h.config.hash_block))})
         hashes = chain_hashes(req.tokens, h.config.hash_block)
         for event in h.published:
@@ -53,7 +53,7 @@ def test_kv_event_parents_follow_the_hash_chain_after_dedup_miss_and_striding() 
             published_parents_follow_the_chain(h)
     # The new chunk of a deduplicated request names the shared chunk, not the root.
     h = run("shared-prefix", "kvstate")
-    b = chain_hashes(h.requests["b"].tokens, 4)
+    b = chain_hashes(h["b"].tokens, 4)
     event = next(e for e in h.published if e.block_hashes[0] == b[2])
     assert event.parent_block_hash == b[1]
     wrong = run("shared-prefix", "parent-previous-emitted")
@@ -71,7 +71,7 @@ def test_retry_without_covered_tokens_announces_empty_token_ids() -> None:
     h.add("a", prompt(8), max_new_tokens=12)
     h.settle()
     assert h.monitor.findings == []
-    tokens = h.requests["a"].tokens
+    tokens = h["a"].tokens
     by_chunk = {chain_hashes(tokens, 4).index(e.block_hashes[0]): e for e in h.published}
     assert by_chunk[0].token_ids == () and by_chunk[1].token_ids == ()
     assert any(e.token_ids == tuple(tokens[i * 4:i * 4 + 4]) for i, e in by_chunk.items())
@@ -85,7 +85,7 @@ def test_retry_suffix_is_spliced_when_it_covers_the_gap() -> None:
     h = Harness(config, num_blocks=32, store=MemoryStore(answers))
     h.add("a", prompt(8), max_new_tokens=6)
     h.settle()
-    tokens = h.requests["a"].tokens
+    tokens = h["a"].tokens
     assert {e.token_ids for e in h.published} >= {tuple(tokens[0:4]), tuple(tokens[4:8])}
     assert h.monitor.findings == []
 

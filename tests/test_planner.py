@@ -56,7 +56,7 @@ def test_only_full_blocks_are_saved_with_the_plus_one_boundary() -> None:
 
 def test_token_snapshot_only_with_kv_events_and_only_the_new_suffix() -> None:
     h = run("snapshot-events", "kvstate")
-    tokens = list(h.requests["a"].tokens)
+    tokens = list(h["a"].tokens)
     for meta in saves(h):
         assert meta.token_ids == tuple(tokens[meta.token_ids_start:meta.token_len])
     off = run("decode-save", "kvstate")  # same shape, events on
@@ -84,7 +84,7 @@ def test_async_completion_releases_pins_only_after_every_rank_reported() -> None
         h.add("a", prompt(8))
         plan = h.step()
         pinned = sorted(plan.pins)
-        assert pinned == sorted(h.requests["a"].blocks[0])
+        assert pinned == sorted(h["a"].blocks[0])
         h.run_rank(0)
         h.deliver_reports()
         assert all(h.pool.refs[b] == 2 for b in pinned), variant  # engine + pin
