@@ -24,6 +24,7 @@ from kvstate.invariants import Monitor
 from kvstate.keys import HashChain, cdiv, chunk_hash
 from kvstate.memory_store import MemoryStore, StoreRaised
 from kvstate.observations import (
+    Allocated,
     ExistsAnswered,
     KeyEvicted,
     LoadDone,
@@ -35,6 +36,7 @@ from kvstate.observations import (
     ReportDelivered,
     Settled,
     StepScheduled,
+    StoreCallRaised,
 )
 from kvstate.planner import Planner
 from kvstate.records import (
@@ -139,6 +141,7 @@ class Harness:
         self.published: list = []
         self.plans: list[Plan] = []
         self.preemptions = 0
+        self.last_finished: list[EngineRequest] = []
         self._load_reports: list[LoadReport] = []
 
     # ------------------------------------------------------------------
@@ -188,8 +191,10 @@ class Harness:
                     and req.computed >= len(req.tokens) - 1 and req.req_id not in finished):
                 finished.append(req.req_id)
         engine_frees: list[int] = []
+        self.last_finished = []
         for req_id in finished:
             req = self.requests.pop(req_id)
+            self.last_finished.append(req)
             for table in req.blocks:
                 engine_frees.extend(reversed(table))
             req.blocks = [[] for _ in config.groups]
@@ -202,7 +207,9 @@ class Harness:
                 self.finished[req_id] = req
         preempted: list[str] = []
         for req_id in preempt:
-            self._preempt(self.requests[req_id], preempted)
+            req = self.requests.get(req_id)
+            if req is not None and req.status == "running":
+                self._preempt(req, preempted)
 
         new: list[NewRequest] = []
         resumed: list[ResumedRequest] = []
@@ -336,12 +343,12 @@ class Harness:
                     query = self.planner.lookup(req.req_id, len(req.prompt), hashes_all)
                     present = tuple(self.store.exists(-1, query.keys))
                     req.hit = self.planner.lookup_answered(query, present)
-                    self.observe(LookupDone(req.req_id, query.generation, query.keys, present,
-                                            req.hit))
+                    self.observe(LookupDone(req.req_id, query.generation, len(req.prompt),
+                                            tuple(hashes_all), query.keys, present, req.hit))
             hit = req.hit
             if self._grow(req, max(hit, min(len(req.prompt), hit + budget))) is None:
                 return None
-            self.planner.allocate(req.req_id, req.blocks, 0, hit, req.load_async and hit > 0)
+            self._allocate(req, hit, req.load_async and hit > 0)
             req.computed = hit
             if hit and req.load_async:
                 req.pending_load = hit
@@ -357,24 +364,28 @@ class Harness:
         return NewRequest(req.req_id, req.prompt, hit, n,
                           tuple(tuple(t) for t in req.blocks), hashes), n
 
+    def _allocate(self, req: EngineRequest, external: int, load_async: bool) -> None:
+        blocks = tuple(tuple(t) for t in req.blocks)
+        self.observe(Allocated(req.req_id, blocks, 0, external, load_async))
+        self.planner.allocate(req.req_id, blocks, 0, external, load_async)
+
     def _admit_transferred(self, req: EngineRequest) -> tuple[NewRequest, int] | None:
         """P/D: the prompt's KV arrived from the prefill engine straight into
-        freshly allocated blocks (not through the store); decode starts now."""
+        freshly allocated blocks (not through the store). As in vLLM, the
+        decode engine recomputes the last prompt token to sample from."""
         config = self.config
-        if self._grow(req, len(req.prompt) + 1) is None:
+        n_prompt = len(req.prompt)
+        if self._grow(req, n_prompt) is None:
             return None
-        self.planner.allocate(req.req_id, req.blocks, 0, 0, False)
+        self._allocate(req, 0, False)
         req.chain = HashChain(config.hash_block)
-        req.chain.extend(req.prompt)
-        for idx in range(len(req.prompt) // config.block_size):
+        hashes = tuple(req.chain.extend(req.prompt))
+        for idx in range((n_prompt - 1) // config.block_size):
             digest = chunk_hash(req.chain.hashes, idx, config.hashes_per_block).hex()
             for table in req.blocks:
                 self.pool.write(table[idx], digest)
-        req.computed = len(req.prompt)
-        req.tokens.append(token_for(req.req_id, len(req.tokens)))
+        req.computed = n_prompt - 1
         req.status = "running"
-        ids = req.tokens[req.computed:req.computed + 1]
-        hashes = tuple(req.chain.hashes) + tuple(req.chain.extend(ids))
         return NewRequest(req.req_id, req.prompt, req.computed, 1,
                           tuple(tuple(t) for t in req.blocks), hashes), 1
 
@@ -431,9 +442,10 @@ class Harness:
     # ------------------------------------------------------------------
     # Ranks.
 
-    def advance(self, rank: int) -> str:
+    def advance(self, rank: int, fail: BaseException | None = None) -> str:
         """Perform the next store call of ``rank``'s current job (dequeueing
-        one if idle). Returns what happened: idle, exists, put, reported."""
+        one if idle). Returns what happened: idle, exists, put, reported, lost.
+        ``fail`` makes the pending call raise instead (a timeout, say)."""
         executor = self.ranks[rank]
         current = self.current.get(rank)
         if current is None:
@@ -444,6 +456,8 @@ class Harness:
         job, call = current
         del self.current[rank]
         try:
+            if fail is not None:
+                raise fail
             if isinstance(call, ExistsCall):
                 present = tuple(self.store.exists(rank, call.keys))
                 self.observe(ExistsAnswered(rank, job.meta.job_id, call.keys, present))
@@ -458,7 +472,8 @@ class Harness:
                                      job.meta.generation, key, group, cid, block, content,
                                      code, accepted))
             return self._handle(rank, job, executor.put_answered(job, codes))
-        except StoreRaised as exc:
+        except (StoreRaised, TimeoutError) as exc:
+            self.observe(StoreCallRaised(rank, job.meta.job_id, str(exc)))
             return self._handle(rank, job, executor.raised(job, str(exc)))
 
     def _handle(self, rank: int, job: RankJob, out: ExistsCall | PutCall | Report | None) -> str:

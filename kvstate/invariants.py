@@ -108,7 +108,8 @@ CATALOGUE: tuple[Invariant, ...] = (
     Invariant("S15", "A KV event's parent is the chunk's predecessor in the request's hash "
               "chain", "safety", "JobFinished", "parent-previous-emitted", "shared-prefix",
               "vLLM#52466, vllm-ascend#12012"),
-    Invariant("S16", "A published event's chunk is stored in every rank namespace",
+    Invariant("S16", "A published event's chunk was reported stored by a rank of every "
+              "namespace (published only at quorum)",
               "safety", "Settled", "e2", "evicted-and-reput", "REFERENCE §11"),
     Invariant("S17", "A KV event's token ids are the chunk's tokens, or empty", "safety",
               "JobFinished", "snapshot-from-zero", "snapshot-events", "vLLM#52466"),
@@ -184,7 +185,10 @@ class _Job:
 
 
 class Monitor:
-    def __init__(self, config: ConnectorConfig, only: Sequence[str] | None = None) -> None:
+    def __init__(self, config: ConnectorConfig, only: Sequence[str] | None = None,
+                 store_view: set[str] | None = None) -> None:
+        """``store_view``: the keys believed stored; engines sharing one store
+        share one view (each monitor sees only its own engine's puts)."""
         self.config = config
         self.enabled = frozenset(only) if only is not None else frozenset(INVARIANTS)
         self.findings: list[Finding] = []
@@ -196,10 +200,12 @@ class Monitor:
         self.pinned: Counter[int] = Counter()
         self.free: set[int] = set()
         self.freed_at: dict[int, int] = {}
-        self.store: set[str] = set()
+        self.store: set[str] = store_view if store_view is not None else set()
         self.frontier: dict[tuple[int, GenKey], int] = {}
         self.offsets: dict[tuple[int, str, int], int] = {}
         self.known_blocks: set[bytes] = set()
+        # (chunk digest, group) -> rank namespaces whose ranks announced it stored
+        self.announced: dict[tuple[bytes, int], set[int]] = {}
         self._computed_next: dict[str, int] = {}
         self._prefixes = {
             (r, g): key_prefix(config, r, g)
@@ -300,11 +306,11 @@ class Monitor:
 
     def _published(self, event: BlockStored) -> None:
         digest = event.block_hashes[-1]
-        for ns in range(self.config.num_namespaces):
-            key = f"{key_prefix(self.config, ns * self.config.put_step, event.group_idx)}@{digest.hex()}"
-            if key not in self.store:
-                self.fail("S16", f"event for {digest.hex()} published but {key} is not stored")
-                break
+        announced = self.announced.get((digest, event.group_idx), set())
+        missing = set(range(self.config.num_namespaces)) - announced
+        if missing:
+            self.fail("S16", f"event for {digest.hex()} published, but rank namespaces "
+                      f"{sorted(missing)} never reported storing it")
         parent = event.parent_block_hash
         if parent is not None and parent not in self.known_blocks:
             self.fail("K4", f"event for {digest.hex()} names parent {parent.hex()}, which no "
@@ -414,6 +420,9 @@ class Monitor:
             self.fail("K6", f"rank {obs.rank} skipped job {obs.job_id} of {gen_key}: skipped "
                       f"since {obs.skipped_since}, now {obs.now}, backoff "
                       f"{config.pressure_backoff}")
+        ns = obs.rank // step
+        for event in obs.events:
+            self.announced.setdefault((event.block_hashes[-1], event.group_idx), set()).add(ns)
         if gen is None:
             return
         for event in obs.events:

@@ -116,11 +116,36 @@ class PutDone:
 
 @attrs.frozen(slots=True)
 class LookupDone:
+    """A lookup's inputs (prompt length, hash chain), the store's answers and
+    the hit the planner concluded."""
+
     req_id: str
     generation: int
+    num_prompt_tokens: int
+    block_hashes: tuple[bytes, ...]
     keys: tuple[str, ...]
     present: tuple[bool, ...]
     hit_tokens: int
+
+
+@attrs.frozen(slots=True)
+class Allocated:
+    """The engine allocated a request's blocks (``update_state_after_alloc``)."""
+
+    req_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_computed_tokens: int
+    num_external_tokens: int
+    load_async: bool
+
+
+@attrs.frozen(slots=True)
+class StoreCallRaised:
+    """A rank's store call raised (or timed out) instead of answering."""
+
+    rank: int
+    job_id: int
+    error: str
 
 
 @attrs.frozen(slots=True)
@@ -167,6 +192,7 @@ class Quiescent:
 
 Observation = (
     StepScheduled | Planned | Settled | JobStarted | StateWritten | JobFinished
-    | ReportDelivered | ExistsAnswered | PutDone | LookupDone | LoadDone | BlockAllocated
+    | ReportDelivered | ExistsAnswered | PutDone | LookupDone | Allocated | StoreCallRaised
+    | LoadDone | BlockAllocated
     | BlockWritten | BlockFreed | KeyEvicted | Quiescent
 )

@@ -6,10 +6,12 @@ what this module renders, so it cannot drift from the code.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvstate.diagrams import all_diagrams
 from kvstate.invariants import CATALOGUE
+from kvstate.trace import trace_schema
 
 
 def render_invariants() -> str:
@@ -37,7 +39,10 @@ def render_invariants() -> str:
 
 
 def rendered_specs() -> dict[str, str]:
-    files = {"invariants.md": render_invariants()}
+    files = {
+        "invariants.md": render_invariants(),
+        "trace.schema.json": json.dumps(trace_schema(), indent=2, sort_keys=True) + "\n",
+    }
     files.update({f"diagrams/{name}": text for name, text in all_diagrams().items()})
     return files
 

@@ -351,6 +351,10 @@ class Variant:
     after_raise: Callable[[Any], Any] = report_after_raise
     load_errors: Callable[[tuple[int, ...]], tuple[int, ...]] = keep_load_errors
     key_rank: Callable[[int], int] = key_rank_own
+    # For drivers (simulator, adapters): how long a store call may take before
+    # it counts as failed. Upstream has no bound, so a hung master pins blocks
+    # forever (REFERENCE.md §6, S6); seconds of the driver's clock.
+    call_timeout: float | None = 5.0
 
 
 KVSTATE = Variant(
@@ -372,6 +376,7 @@ E2 = attrs.evolve(
     ledger=RequestIdLedger,
     skip_expired=backoff_never,
     offset_after_failure=offset_kept,
+    call_timeout=None,
 )
 
 E1 = attrs.evolve(

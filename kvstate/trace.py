@@ -1,0 +1,361 @@
+"""Trace codec: observations as JSON Lines, and back, with errors that say where.
+
+A trace is data, never code: no ``eval``, no ``pickle``. Line 1 is a header::
+
+    {"kvstate_trace": 1, "configs": [<ConnectorConfig>...], "protocol": "kvstate", ...}
+
+and every further line is one observation of engine ``e`` (an index into
+``configs``)::
+
+    {"i": 17, "e": 0, "t": 3.0, "type": "PutDone", "rank": 0, "job_id": 4, ...}
+
+Records nest as ``{"@": "SaveMeta", ...fields}``, enum values as
+``{"@enum": "JobState", "value": "stored"}``, bytes (hashes) as ``{"@hex": "..."}``;
+sequences are lists and decode to tuples. Decoding checks every field against
+the record's annotations, so a malformed line is refused with the line number,
+the field path and the value (``TraceError``), never with a traceback from deep
+inside a monitor. ``specs/trace.schema.json`` is generated from the same
+registry.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import types
+import typing
+from collections.abc import Iterator
+from typing import IO, Any
+
+import attrs
+
+from kvstate import config as _config
+from kvstate import events as _events
+from kvstate import observations as _observations
+from kvstate import records as _records
+from kvstate import tables as _tables
+
+TRACE_VERSION = 1
+MAX_LINE_BYTES = 64 << 20  # a line longer than this is refused, not read into memory
+
+
+class TraceError(ValueError):
+    """A malformed trace: ``where`` is ``file:line`` and ``field`` the path."""
+
+    def __init__(self, where: str, field: str, message: str) -> None:
+        self.where = where
+        self.field = field
+        super().__init__(f"{where}: {('field ' + repr(field) + ': ') if field else ''}{message}")
+
+
+def _registry() -> tuple[dict[str, type], dict[str, type[enum.Enum]]]:
+    records: dict[str, type] = {}
+    enums: dict[str, type[enum.Enum]] = {}
+    for module in (_records, _events, _observations, _config, _tables):
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == module.__name__:
+                records[name] = obj
+            elif (isinstance(obj, type) and issubclass(obj, enum.Enum)
+                  and obj.__module__ == module.__name__ and len(obj)):
+                enums[name] = obj
+    for cls in records.values():
+        attrs.resolve_types(cls, globalns=vars(__import__(cls.__module__, fromlist=["_"])))
+    return records, enums
+
+
+RECORDS, ENUMS = _registry()
+OBSERVATIONS = {
+    name: cls for name, cls in RECORDS.items() if cls.__module__ == _observations.__name__
+}
+
+
+# --------------------------------------------------------------------------
+# Encoding.
+
+
+def encode_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return {"@enum": type(value).__name__, "value": value.value}
+    if isinstance(value, bytes):
+        return {"@hex": value.hex()}
+    if isinstance(value, (tuple, list)):
+        return [encode_value(v) for v in value]
+    if attrs.has(type(value)):
+        out = {"@": type(value).__name__}
+        for field in attrs.fields(type(value)):
+            out[field.name] = encode_value(getattr(value, field.name))
+        return out
+    raise TypeError(f"cannot encode {type(value).__name__} in a trace")
+
+
+def encode_observation(obs: Any, index: int, engine: int = 0, time: float = 0.0) -> str:
+    line: dict[str, Any] = {"i": index, "e": engine, "t": time, "type": type(obs).__name__}
+    for field in attrs.fields(type(obs)):
+        line[field.name] = encode_value(getattr(obs, field.name))
+    return json.dumps(line, separators=(",", ":"))
+
+
+def encode_header(configs: list[Any], **extra: Any) -> str:
+    header = {"kvstate_trace": TRACE_VERSION, "configs": [encode_value(c) for c in configs]}
+    header.update(extra)
+    return json.dumps(header, separators=(",", ":"), sort_keys=True)
+
+
+# --------------------------------------------------------------------------
+# Decoding with checks.
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation)
+
+
+def decode_value(value: Any, annotation: Any, where: str, path: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any or annotation is object:
+        return _decode_untyped(value, where, path)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in args:
+            try:
+                return decode_value(value, option, where, path)
+            except TraceError as exc:
+                errors.append(exc)
+        raise TraceError(where, path, f"{value!r} matches none of "
+                         f"{' | '.join(_type_name(a) for a in args)}")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise TraceError(where, path, f"expected null, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise TraceError(where, path, f"expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(decode_value(v, args[0], where, f"{path}[{i}]")
+                         for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise TraceError(where, path, f"expected {len(args)} items, got {len(value)}")
+        return tuple(decode_value(v, a, where, f"{path}[{i}]")
+                     for i, (v, a) in enumerate(zip(value, args)))
+    if annotation is bytes:
+        if isinstance(value, dict) and set(value) == {"@hex"} and isinstance(value["@hex"], str):
+            try:
+                return bytes.fromhex(value["@hex"])
+            except ValueError:
+                pass
+        raise TraceError(where, path, f"expected {{'@hex': ...}} bytes, got {value!r}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise TraceError(where, path, f"expected true/false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TraceError(where, path, f"expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise TraceError(where, path, f"expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise TraceError(where, path, f"expected a string, got {value!r}")
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        if isinstance(value, dict) and value.get("@enum") == annotation.__name__:
+            try:
+                return annotation(value.get("value"))
+            except ValueError:
+                pass
+        raise TraceError(where, path, f"expected a {annotation.__name__} value, got {value!r}")
+    if isinstance(annotation, type) and attrs.has(annotation):
+        if not isinstance(value, dict) or value.get("@") != annotation.__name__:
+            raise TraceError(where, path, f"expected a {annotation.__name__} record, got "
+                             f"{str(value)[:80]!r}")
+        return decode_record(annotation, value, where, path, skip=("@",))
+    raise TraceError(where, path, f"cannot decode type {_type_name(annotation)}")
+
+
+def _decode_untyped(value: Any, where: str, path: str) -> Any:
+    if isinstance(value, dict):
+        if "@" in value and value["@"] in RECORDS:
+            return decode_record(RECORDS[value["@"]], value, where, path, skip=("@",))
+        if "@hex" in value:
+            return decode_value(value, bytes, where, path)
+        if "@enum" in value and value["@enum"] in ENUMS:
+            return decode_value(value, ENUMS[value["@enum"]], where, path)
+        raise TraceError(where, path, f"unknown object {str(value)[:80]!r}")
+    if isinstance(value, list):
+        return tuple(_decode_untyped(v, where, f"{path}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def decode_record(cls: type, data: dict[str, Any], where: str, path: str = "",
+                  skip: tuple[str, ...] = ()) -> Any:
+    fields = attrs.fields(cls)
+    known = {f.name for f in fields}
+    for name in data:
+        if name not in known and name not in skip:
+            raise TraceError(where, f"{path}.{name}".lstrip("."),
+                             f"unknown field for {cls.__name__}")
+    kwargs = {}
+    for field in fields:
+        sub = f"{path}.{field.name}".lstrip(".")
+        if field.name not in data:
+            if field.default is attrs.NOTHING:
+                raise TraceError(where, sub, f"missing (required by {cls.__name__})")
+            continue
+        kwargs[field.name] = decode_value(data[field.name], field.type, where, sub)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise TraceError(where, path, f"invalid {cls.__name__}: {exc}") from None
+
+
+def decode_line(text: str, where: str) -> tuple[int, int, float, Any]:
+    """(index, engine, time, observation) of one trace line."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(where, "", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise TraceError(where, "", f"expected a JSON object, got {type(data).__name__}")
+    kind = data.get("type")
+    if kind is None:
+        raise TraceError(where, "type", "missing")
+    cls = OBSERVATIONS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise TraceError(where, "type", f"unknown event type {kind!r}")
+    meta = {}
+    for name, ann in (("i", int), ("e", int), ("t", float)):
+        if name not in data:
+            raise TraceError(where, name, "missing")
+        meta[name] = decode_value(data[name], ann, where, name)
+    obs = decode_record(cls, data, where, skip=("i", "e", "t", "type"))
+    return meta["i"], meta["e"], meta["t"], obs
+
+
+def read_header(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(where, "", f"invalid JSON header ({exc.msg})") from None
+    if not isinstance(data, dict) or "kvstate_trace" not in data:
+        raise TraceError(where, "kvstate_trace", "missing: not a kvstate trace header")
+    version = data["kvstate_trace"]
+    if version != TRACE_VERSION:
+        raise TraceError(where, "kvstate_trace",
+                         f"unsupported trace version {version!r} (this kvstate reads {TRACE_VERSION})")
+    configs = data.get("configs")
+    if not isinstance(configs, list) or not configs:
+        raise TraceError(where, "configs", "missing or empty")
+    data["configs"] = [
+        decode_value(c, _config.ConnectorConfig, where, f"configs[{i}]")
+        for i, c in enumerate(configs)
+    ]
+    return data
+
+
+def iter_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) pairs, streaming; a last line without its newline is
+    a truncated write and is refused."""
+    number = 0
+    while True:
+        raw = stream.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise TraceError(f"{name}:{number}", "", f"line longer than {MAX_LINE_BYTES} bytes")
+        if not raw.endswith(b"\n"):
+            raise TraceError(f"{name}:{number}", "", "truncated last line (no newline)")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceError(f"{name}:{number}", "", f"not UTF-8 ({exc.reason})") from None
+        if text.strip():
+            yield number, text
+
+
+# --------------------------------------------------------------------------
+# Schema.
+
+
+def _schema_of(annotation: Any) -> dict[str, Any]:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any or annotation is object:
+        return {}
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_schema_of(a) for a in args]}
+    if annotation is type(None):
+        return {"type": "null"}
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return {"type": "array", "items": _schema_of(args[0])}
+        return {"type": "array", "prefixItems": [_schema_of(a) for a in args],
+                "minItems": len(args), "maxItems": len(args)}
+    if annotation is bytes:
+        return {"$ref": "#/$defs/bytes"}
+    if annotation is bool:
+        return {"type": "boolean"}
+    if annotation is int:
+        return {"type": "integer"}
+    if annotation is float:
+        return {"type": "number"}
+    if annotation is str:
+        return {"type": "string"}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return {"$ref": f"#/$defs/{annotation.__name__}"}
+    if isinstance(annotation, type) and attrs.has(annotation):
+        return {"$ref": f"#/$defs/{annotation.__name__}"}
+    return {}
+
+
+def _record_schema(cls: type, tag: str | None) -> dict[str, Any]:
+    props: dict[str, Any] = {}
+    required = []
+    if tag == "@":
+        props["@"] = {"const": cls.__name__}
+        required.append("@")
+    for field in attrs.fields(cls):
+        props[field.name] = _schema_of(field.type)
+        if field.default is attrs.NOTHING:
+            required.append(field.name)
+    return {"type": "object", "properties": props, "required": required,
+            "additionalProperties": False}
+
+
+def trace_schema() -> dict[str, Any]:
+    defs: dict[str, Any] = {"bytes": {
+        "type": "object", "properties": {"@hex": {"type": "string", "pattern": "^[0-9a-f]*$"}},
+        "required": ["@hex"], "additionalProperties": False}}
+    for name, cls in sorted(ENUMS.items()):
+        defs[name] = {"type": "object", "properties": {
+            "@enum": {"const": name}, "value": {"enum": [m.value for m in cls]}},
+            "required": ["@enum", "value"], "additionalProperties": False}
+    for name, cls in sorted(RECORDS.items()):
+        if name not in OBSERVATIONS:
+            defs[name] = _record_schema(cls, "@")
+    lines = []
+    for name, cls in sorted(OBSERVATIONS.items()):
+        schema = _record_schema(cls, None)
+        schema["properties"].update({
+            "i": {"type": "integer", "minimum": 0}, "e": {"type": "integer", "minimum": 0},
+            "t": {"type": "number"}, "type": {"const": name}})
+        schema["required"] = ["i", "e", "t", "type", *schema["required"]]
+        lines.append(schema)
+    header = {"type": "object", "properties": {
+        "kvstate_trace": {"const": TRACE_VERSION},
+        "configs": {"type": "array", "items": {"$ref": "#/$defs/ConnectorConfig"}, "minItems": 1},
+    }, "required": ["kvstate_trace", "configs"]}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://github.com/kvstate/kvstate/specs/trace.schema.json",
+        "title": f"kvstate trace, version {TRACE_VERSION}",
+        "description": "Line 1 is the header; every further line is one observation. "
+                       "Generated from kvstate.trace; do not edit.",
+        "$defs": {**defs, "header": header},
+        "oneOf": [{"$ref": "#/$defs/header"}, *lines],
+    }

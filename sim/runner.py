@@ -1,0 +1,292 @@
+"""One simulation run: build the world from options, run the two phases, judge.
+
+Phases. *Safety*: arrivals come in, the fault swarm is on, and every
+invariant is checked after every observation; the first violation stops the
+run. *Liveness*: faults off, no new arrivals, and at most ``settle_time``
+virtual seconds for everything to drain; then a ``Quiescent`` observation
+asks the liveness invariants (S4, S6, S18, K3) whether anything is left.
+
+Setups. ``both``: one ``kv_both`` engine saving prefill and decode KV.
+``pd``: a prefill engine (``kv_producer``) and a decode engine
+(``kv_consumer`` with ``save_decode_cache``) sharing one store; when the
+prefill engine finishes a prompt its KV goes to the decode engine directly
+(not through the store, which may therefore lack it until the decode engine
+backfills it with its first decode save).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shlex
+import time as wallclock
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+
+from kvstate.config import ConnectorConfig, Role
+from kvstate.harness import EngineRequest, Harness
+from kvstate.invariants import INVARIANTS, Finding, Monitor
+from kvstate.observations import KeyEvicted, Observation, Quiescent
+from kvstate.trace import encode_header, encode_observation
+from kvstate.variants import get_variant
+from sim.engine import SimEngine
+from sim.faults import SITES, Faults
+from sim.kernel import Kernel
+from sim.store import SimStore
+from sim.workloads import Arrival, fast25, synthetic
+
+DEFAULT_FAST25 = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
+    "mooncake-fast25" / "conversation_trace.jsonl"
+WINDOW = 4000  # observations kept for a violation's causal window
+
+
+@attrs.frozen(slots=True)
+class SimOptions:
+    seed: int = 0
+    protocol: str = "kvstate"
+    setup: str = "both"
+    workload: str = "synthetic"
+    requests: int = 150
+    rate: float = 60.0
+    fast25_path: str = ""
+    scale: int = 32
+    world_size: int = 2
+    block_size: int = 4
+    num_blocks: int = 160
+    store_capacity: int = 600
+    token_budget: int = 256
+    events: bool = True
+    faults: tuple[str, ...] = tuple(SITES)
+    settle_time: float = 30.0
+
+    def command(self) -> str:
+        """The exact command line that reproduces this run."""
+        default = SimOptions()
+        parts = ["kvstate", "sim"]
+        for field in attrs.fields(SimOptions):
+            value = getattr(self, field.name)
+            if value == getattr(default, field.name):
+                continue
+            flag = "--" + field.name.replace("_", "-")
+            if isinstance(value, bool):
+                parts.append(flag if value else "--no-" + field.name.replace("_", "-"))
+            elif isinstance(value, tuple):
+                parts.append(f"{flag}={','.join(value) or 'none'}")
+            else:
+                parts.append(f"{flag}={value}")
+        return " ".join(shlex.quote(p) for p in parts)
+
+
+@attrs.define
+class SimResult:
+    options: SimOptions
+    ok: bool
+    findings: list[tuple[int, Finding]]
+    windows: list[list[str]]
+    figures: dict[str, Any]
+    fault_rates: dict[str, float]
+    fault_fired: dict[str, int]
+    trace_sha256: str
+
+
+class _Recorder:
+    """Streams observations to the trace (if any), keeps a ring buffer for
+    causal windows, hashes everything for the determinism check."""
+
+    def __init__(self, kernel: Kernel, out: IO[str] | None) -> None:
+        self.kernel = kernel
+        self.out = out
+        self.index = 0
+        self.digest = hashlib.sha256()
+        self.local: list[int] = []
+        # (trace index, engine, engine-local index, observation, line)
+        self.recent: deque[tuple[int, int, int, Observation, str]] = deque(maxlen=WINDOW)
+
+    def sink(self, engine: int) -> Any:
+        self.local.append(0)
+
+        def record(obs: Observation) -> None:
+            line = encode_observation(obs, self.index, engine, round(self.kernel.now, 9))
+            self.digest.update(line.encode())
+            if self.out is not None:
+                self.out.write(line + "\n")
+            self.recent.append((self.index, engine, self.local[engine], obs, line))
+            self.local[engine] += 1
+            self.index += 1
+        return record
+
+    def locate(self, engine: int, local: int) -> tuple[int, Observation] | None:
+        """Trace index and observation of an engine's ``local``-th observation."""
+        for index, e, loc, obs, _ in reversed(self.recent):
+            if e == engine and loc == local:
+                return index, obs
+        return None
+
+
+def _ids_of(obs: Observation) -> set[Any]:
+    ids: set[Any] = set()
+    for name in ("req_id", "job_id"):
+        value = getattr(obs, name, None)
+        if value is not None:
+            ids.add((name, value))
+    report = getattr(obs, "report", None)
+    if report is not None:
+        ids.update({("req_id", report.req_id), ("job_id", report.job_id)})
+    return ids
+
+
+def _arrivals(options: SimOptions, kernel: Kernel) -> Iterator[Arrival]:
+    if options.workload == "synthetic":
+        return synthetic(kernel.rng, requests=options.requests, rate=options.rate)
+    path = Path(options.fast25_path) if options.fast25_path else DEFAULT_FAST25
+    return fast25(path, scale=options.scale, limit=options.requests,
+                  repeat=max(1, -(-options.requests // 12031)))
+
+
+def build_configs(options: SimOptions) -> list[ConnectorConfig]:
+    common = dict(block_size=options.block_size, world_size=options.world_size,
+                  enable_kv_events=options.events, pressure_backoff=0.2)
+    if options.setup == "both":
+        return [ConnectorConfig(role=Role.BOTH, save_decode_cache=True, **common)]
+    return [ConnectorConfig(role=Role.PRODUCER, **common),
+            ConnectorConfig(role=Role.CONSUMER, save_decode_cache=True, **common)]
+
+
+def simulate(options: SimOptions, trace: IO[str] | None = None,
+             stop_at_first: bool = True) -> SimResult:
+    started = wallclock.perf_counter()
+    kernel = Kernel(options.seed)
+    faults = Faults(kernel.rng, options.faults)
+    variant = get_variant(options.protocol)
+    configs = build_configs(options)
+    recorder = _Recorder(kernel, trace)
+    if trace is not None:
+        trace.write(encode_header(configs, protocol=options.protocol, seed=options.seed,
+                                  options=attrs.asdict(options),
+                                  engines=[c.role.value for c in configs]) + "\n")
+    shared_store_view: set[str] = set()
+    engines: list[SimEngine] = []
+    monitors: list[Monitor] = []
+
+    def on_evict(key: str) -> None:
+        for engine in engines:
+            engine.harness.observe(KeyEvicted(key))
+
+    store = SimStore(kernel, faults, options.store_capacity, on_evict)
+    for index, config in enumerate(configs):
+        monitor = Monitor(config, store_view=shared_store_view)
+        monitors.append(monitor)
+        harness = Harness(config, variant, num_blocks=options.num_blocks, store=store,
+                          token_budget=options.token_budget, monitor=monitor, record=False,
+                          keep_finished=False, auto_preempt=True, sink=recorder.sink(index),
+                          clock=lambda: kernel.now)
+        engines.append(SimEngine(config.role.value, index, kernel, harness, store, faults,
+                                 lookup=config.role is not Role.CONSUMER))
+    pending_max_new: dict[str, int] = {}
+    if options.setup == "pd":
+        def hand_off(req: EngineRequest) -> None:
+            # The prompt's KV goes to the decode engine directly, not via the store.
+            max_new = pending_max_new.pop(req.req_id, 8)
+            arrival = Arrival(kernel.now, req.req_id, req.prompt, max(1, max_new))
+            kernel.schedule(0.005, lambda: engines[1].arrive(arrival, transferred=True))
+        engines[0].on_prefilled = hand_off
+
+    def arrive(arrival: Arrival) -> None:
+        if options.setup == "pd":
+            # The prefill engine stops after the prompt; the decode engine generates.
+            pending_max_new[arrival.req_id] = arrival.max_new_tokens
+            engines[0].arrive(attrs.evolve(arrival, max_new_tokens=0))
+        else:
+            engines[0].arrive(arrival)
+
+    feed = _arrivals(options, kernel)
+    arrivals = 0
+    last_arrival = 0.0
+    for arrival in feed:
+        kernel.schedule(arrival.time, lambda a=arrival: arrive(a))
+        arrivals += 1
+        last_arrival = arrival.time
+
+    def violated() -> bool:
+        return stop_at_first and any(m.findings for m in monitors)
+
+    # Safety phase: until the last arrival plus a horizon for its work to run.
+    kernel.run(until=last_arrival + options.settle_time, stop=violated)
+    safety_events = kernel.processed
+    liveness_ok = True
+    if not violated():
+        faults.enabled = False
+        deadline = kernel.now + options.settle_time
+        kernel.run(until=deadline, stop=violated)
+        for engine in engines:
+            harness = engine.harness
+            harness.deliver_reports()
+            leftovers: list[tuple[str, int]] = []
+            for name, value in harness.planner.live_state_size().items():
+                if value:
+                    leftovers.append((f"planner.{name}", value))
+            for executor in harness.ranks:
+                for name, value in executor.live_state_size().items():
+                    if value:
+                        leftovers.append((f"rank{executor.rank}.{name}", value))
+            if harness.requests:
+                leftovers.append(("engine.requests", len(harness.requests)))
+            pinned = sum(1 for b, r in enumerate(harness.pool.refs) if b and r > 0)
+            harness.observe(Quiescent(pinned, tuple(leftovers)))
+        liveness_ok = not any(m.findings for m in monitors)
+
+    findings = [(i, f) for i, m in enumerate(monitors) for f in m.findings]
+    windows = [_window(recorder, engine, finding) for engine, finding in findings[:3]]
+    figures = {
+        "simulated_seconds": round(kernel.now, 6),
+        "kernel_events": kernel.processed,
+        "safety_events": safety_events,
+        "observations": recorder.index,
+        "arrivals": arrivals,
+        "last_arrival": round(last_arrival, 6),
+        "steps": sum(e.steps for e in engines),
+        "preemptions": sum(e.harness.preemptions for e in engines),
+        "id_reuses": sum(e.reuses for e in engines),
+        "store_evictions": store.evictions,
+        "store_keys": len(store.objects),
+        "store_puts": store.puts,
+        "store_exists_keys": store.exists_keys,
+        "events_published": sum(len(e.harness.published) for e in engines),
+        "hung_calls": sum(e.hung_calls for e in engines),
+        "invariants_checked": len(INVARIANTS),
+        "liveness_ok": liveness_ok,
+        "wall_seconds": round(wallclock.perf_counter() - started, 3),
+    }
+    return SimResult(
+        options=options,
+        ok=not findings,
+        findings=findings,
+        windows=windows,
+        figures=figures,
+        fault_rates=dict(faults.rates),
+        fault_fired=dict(faults.fired),
+        trace_sha256=recorder.digest.hexdigest(),
+    )
+
+
+def _window(recorder: _Recorder, engine: int, finding: Finding, size: int = 12) -> list[str]:
+    """The observations of the same request generation and job that led to a
+    finding — its causal window — as trace lines, oldest first."""
+    found = recorder.locate(engine, finding.event_index)
+    if found is None:
+        return []
+    index, trigger = found
+    keys = _ids_of(trigger)
+    lines = [line for i, e, _, obs, line in recorder.recent
+             if e == engine and i <= index and (i == index or keys & _ids_of(obs))]
+    return lines[-size:]
+
+
+def run_to_string(options: SimOptions) -> tuple[SimResult, str]:
+    buffer = io.StringIO()
+    result = simulate(options, trace=buffer)
+    return result, buffer.getvalue()
