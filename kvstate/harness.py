@@ -207,9 +207,9 @@ class Harness:
                 self.finished[req_id] = req
         preempted: list[str] = []
         for req_id in preempt:
-            req = self.requests.get(req_id)
-            if req is not None and req.status == "running":
-                self._preempt(req, preempted)
+            victim = self.requests.get(req_id)
+            if victim is not None and victim.status == "running":
+                self._preempt(victim, preempted)
 
         new: list[NewRequest] = []
         resumed: list[ResumedRequest] = []
