@@ -110,7 +110,7 @@ class _Recorder:
         self.local.append(0)
 
         def record(obs: Observation) -> None:
-            line = encode_observation(obs, self.index, engine, round(self.kernel.now, 9))
+            line = encode_observation(obs, self.index, engine, self.kernel.now)
             self.digest.update(line.encode())
             if self.out is not None:
                 self.out.write(line + "\n")

@@ -1,0 +1,244 @@
+"""``kvstate replay``: re-drive the model from a trace's inputs, compare outputs.
+
+A trace records every input at the connector boundary — scheduler steps,
+lookups and their store answers, allocations, which rank dequeued when, every
+store answer (existence, put codes, exceptions, load results), report
+deliveries — and every output: plans, settlements, job starts, state writes,
+job verdicts, reports. Replay feeds the inputs to a fresh planner and fresh
+executors (the trace's protocol, or another one with ``--protocol``) and
+compares each output with the recorded one; the first mismatch is the
+divergence. Engine-side observations (block pool, evictions, quiescence) are
+not outputs of the model and are skipped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvstate.executor import Executor, RankJob
+from kvstate.observations import (
+    Allocated,
+    ExistsAnswered,
+    JobFinished,
+    JobStarted,
+    LoadDone,
+    LookupDone,
+    Planned,
+    PutDone,
+    ReportDelivered,
+    Settled,
+    StateWritten,
+    StepScheduled,
+    StoreCallRaised,
+)
+from kvstate.planner import Planner
+from kvstate.records import ExistsCall, GetCall, LoadReport, PutCall, Report, SchedulerStep
+from kvstate.trace import TraceError, decode_line, iter_lines, read_header
+from kvstate.variants import get_variant
+
+_PRODUCED = (JobStarted, StateWritten, JobFinished)
+
+
+@attrs.define
+class Divergence:
+    line: int
+    engine: int
+    kind: str
+    expected: str
+    got: str
+
+
+@attrs.define
+class ReplayResult:
+    path: str
+    protocol: str
+    lines: int
+    compared: int
+    divergence: Divergence | None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+
+def _short(value: Any, limit: int = 400) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _EngineReplay:
+    def __init__(self, config: Any, protocol: str) -> None:
+        variant = get_variant(protocol)
+        self.planner = Planner(config, variant)
+        self.produced: deque[Any] = deque()
+        self.now = 0.0  # the recorded time of the line being applied: the executors' clock
+        self.executors = [
+            Executor(config, r, variant, clock=lambda: self.now, observer=self.produced.append)
+            for r in range(config.world_size)
+        ]
+        self.step: SchedulerStep | None = None
+        self.current: dict[int, tuple[RankJob, ExistsCall | PutCall]] = {}
+        self.codes: dict[int, list[int]] = {}
+        self.outbox: deque[Report] = deque()
+        self.delivered: list[Report] = []
+        self.loads: dict[int, list[GetCall]] = {}
+        self.load_reports: list[LoadReport] = []
+
+    def handle(self, rank: int, job: RankJob, out: Any) -> None:
+        if out is None:
+            return
+        if isinstance(out, Report):
+            self.outbox.append(out)
+        else:
+            self.current[rank] = (job, out)
+            self.codes[rank] = []
+
+
+class _Mismatch(Exception):
+    def __init__(self, kind: str, expected: Any, got: Any) -> None:
+        self.kind = kind
+        self.expected = expected
+        self.got = got
+
+
+def _same(kind: str, expected: Any, got: Any) -> None:
+    if expected != got:
+        raise _Mismatch(kind, expected, got)
+
+
+def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
+    name = str(path)
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - streaming, closed below
+    except OSError as exc:
+        raise TraceError(name, "", f"cannot open ({exc.strerror})") from None
+    with handle:
+        lines = iter_lines(handle, name)
+        first = next(lines, None)
+        if first is None:
+            raise TraceError(f"{name}:1", "", "empty trace (no header)")
+        header = read_header(first[1], f"{name}:{first[0]}")
+        chosen = protocol or header.get("protocol") or "kvstate"
+        engines = [_EngineReplay(config, chosen) for config in header["configs"]]
+        compared = 0
+        number = first[0]
+        for number, text in lines:
+            _, index, when, obs = decode_line(text, f"{name}:{number}")
+            if not 0 <= index < len(engines):
+                raise TraceError(f"{name}:{number}", "e", f"engine {index} not in the header")
+            engine = engines[index]
+            engine.now = when
+            try:
+                compared += _apply(engine, obs)
+            except _Mismatch as mm:
+                return ReplayResult(name, chosen, number, compared, Divergence(
+                    number, index, mm.kind, _short(mm.expected), _short(mm.got)))
+            except (ValueError, KeyError, IndexError) as exc:
+                return ReplayResult(name, chosen, number, compared, Divergence(
+                    number, index, type(obs).__name__, _short(obs),
+                    f"the model could not take this input: {exc}"))
+        for index, engine in enumerate(engines):
+            if engine.produced:
+                return ReplayResult(name, chosen, number, compared, Divergence(
+                    number, index, "end of trace", "nothing more",
+                    _short(engine.produced[0])))
+    return ReplayResult(name, chosen, number, compared, None)
+
+
+def _apply(engine: _EngineReplay, obs: Any) -> int:
+    """Feed one recorded observation; return how many outputs were compared."""
+    if isinstance(obs, _PRODUCED):
+        if isinstance(obs, JobStarted) and not engine.produced:
+            executor = engine.executors[obs.rank]
+            job = executor.dequeue()
+            if job is None:
+                raise _Mismatch("JobStarted", obs, "rank has no queued job")
+            engine.handle(obs.rank, job, executor.start(job))
+        if not engine.produced:
+            raise _Mismatch(type(obs).__name__, obs, "the model produced nothing here")
+        _same(type(obs).__name__, obs, engine.produced.popleft())
+        return 1
+    if engine.produced:
+        raise _Mismatch("extra output", "nothing before " + type(obs).__name__,
+                        engine.produced[0])
+    if engine.load_reports and not isinstance(obs, LoadDone):
+        engine.planner.on_load_reports(engine.load_reports)
+        engine.load_reports = []
+    if isinstance(obs, StepScheduled):
+        engine.step = obs.step
+    elif isinstance(obs, Planned):
+        if engine.step is None:
+            raise _Mismatch("Planned", obs.plan, "no StepScheduled before it")
+        plan = engine.planner.step(engine.step)
+        engine.step = None
+        _same("Planned", obs.plan, plan)
+        for executor in engine.executors:
+            engine.loads[executor.rank] = executor.receive(plan)
+        return 1
+    elif isinstance(obs, ReportDelivered):
+        if not engine.outbox:
+            raise _Mismatch("ReportDelivered", obs.report, "no report pending")
+        report = engine.outbox.popleft()
+        _same("ReportDelivered", obs.report, report)
+        engine.delivered.append(report)
+        return 1
+    elif isinstance(obs, Settled):
+        settlement = engine.planner.on_reports(engine.delivered)
+        engine.delivered = []
+        _same("Settled", obs.settlement, settlement)
+        return 1
+    elif isinstance(obs, LookupDone):
+        query = engine.planner.lookup(obs.req_id, obs.num_prompt_tokens, obs.block_hashes)
+        _same("LookupDone.keys", obs.keys, query.keys)
+        hit = engine.planner.lookup_answered(query, obs.present)
+        _same("LookupDone.hit_tokens", obs.hit_tokens, hit)
+        return 1
+    elif isinstance(obs, Allocated):
+        engine.planner.allocate(obs.req_id, obs.block_ids, obs.num_computed_tokens,
+                                obs.num_external_tokens, obs.load_async)
+    elif isinstance(obs, LoadDone):
+        calls = engine.loads.get(obs.rank, [])
+        call = next((c for c in calls if (c.req_id, c.generation) == (obs.req_id, obs.generation)),
+                    None)
+        if call is None:
+            raise _Mismatch("LoadDone", obs, "no load planned for it")
+        calls.remove(call)
+        failed = set(obs.failed_block_ids)
+        report = engine.executors[obs.rank].load_answered(
+            call, [b not in failed for b in call.block_ids])
+        _same("LoadDone.reported_block_ids", obs.reported_block_ids, report.failed_block_ids)
+        engine.load_reports.append(report)
+        return 1
+    elif isinstance(obs, ExistsAnswered):
+        job, call = _current(engine, obs.rank, obs.job_id, ExistsCall)
+        _same("ExistsAnswered.keys", obs.keys, call.keys)
+        del engine.current[obs.rank]
+        engine.handle(obs.rank, job, engine.executors[obs.rank].exists_answered(job, obs.present))
+        return 1
+    elif isinstance(obs, PutDone):
+        job, call = _current(engine, obs.rank, obs.job_id, PutCall)
+        codes = engine.codes[obs.rank]
+        _same("PutDone.key", obs.key, call.keys[len(codes)])
+        codes.append(obs.code)
+        if len(codes) == len(call.keys):
+            del engine.current[obs.rank]
+            engine.handle(obs.rank, job, engine.executors[obs.rank].put_answered(job, codes))
+        return 1
+    elif isinstance(obs, StoreCallRaised):
+        pending = engine.current.pop(obs.rank, None)
+        if pending is None or pending[0].meta.job_id != obs.job_id:
+            raise _Mismatch("StoreCallRaised", obs, "no such store call in flight")
+        engine.handle(obs.rank, pending[0], engine.executors[obs.rank].raised(pending[0], obs.error))
+    return 0
+
+
+def _current(engine: _EngineReplay, rank: int, job_id: int, kind: type) -> tuple[RankJob, Any]:
+    pending = engine.current.get(rank)
+    if pending is None or pending[0].meta.job_id != job_id or not isinstance(pending[1], kind):
+        raise _Mismatch(kind.__name__, f"job {job_id} in a {kind.__name__} on rank {rank}",
+                        pending[1] if pending else "nothing in flight")
+    return pending
