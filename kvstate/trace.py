@@ -24,7 +24,7 @@ import enum
 import json
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import attrs
@@ -111,70 +111,131 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", None) or str(annotation)
 
 
-def decode_value(value: Any, annotation: Any, where: str, path: str) -> Any:
+Decoder = Callable[[Any, str, str], Any]
+_DECODERS: dict[Any, Decoder] = {}
+
+
+def decoder_for(annotation: Any) -> Decoder:
+    """A decoder compiled once per annotation: checking a line costs a few
+    isinstance calls per field, not a walk of the typing machinery."""
+    found = _DECODERS.get(annotation)
+    if found is None:
+        found = _DECODERS[annotation] = _compile(annotation)
+    return found
+
+
+def _scalar(kind: type, label: str) -> Decoder:
+    def decode(value: Any, where: str, path: str) -> Any:
+        if type(value) is kind:
+            return value
+        raise TraceError(where, path, f"expected {label}, got {value!r}")
+    return decode
+
+
+def _compile(annotation: Any) -> Decoder:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if annotation is Any or annotation is object:
-        return _decode_untyped(value, where, path)
+        return _decode_untyped
     if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in args:
-            try:
-                return decode_value(value, option, where, path)
-            except TraceError as exc:
-                errors.append(exc)
-        raise TraceError(where, path, f"{value!r} matches none of "
-                         f"{' | '.join(_type_name(a) for a in args)}")
+        options = [decoder_for(a) for a in args]
+        nullable = type(None) in args
+        names = " | ".join(_type_name(a) for a in args)
+
+        def union(value: Any, where: str, path: str) -> Any:
+            if value is None and nullable:
+                return None
+            for option in options:
+                try:
+                    return option(value, where, path)
+                except TraceError:
+                    continue
+            raise TraceError(where, path, f"{value!r} matches none of {names}")
+        return union
     if annotation is type(None):
-        if value is None:
-            return None
-        raise TraceError(where, path, f"expected null, got {value!r}")
+        def null(value: Any, where: str, path: str) -> Any:
+            if value is None:
+                return None
+            raise TraceError(where, path, f"expected null, got {value!r}")
+        return null
     if origin is tuple:
-        if not isinstance(value, list):
-            raise TraceError(where, path, f"expected a list, got {value!r}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(decode_value(v, args[0], where, f"{path}[{i}]")
-                         for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise TraceError(where, path, f"expected {len(args)} items, got {len(value)}")
-        return tuple(decode_value(v, a, where, f"{path}[{i}]")
-                     for i, (v, a) in enumerate(zip(value, args)))
+            item = args[0]
+            if item in (int, str):
+                def flat(value: Any, where: str, path: str) -> Any:
+                    if type(value) is list and all(type(v) is item for v in value):
+                        return tuple(value)
+                    if type(value) is not list:
+                        raise TraceError(where, path, f"expected a list, got {value!r}")
+                    bad = next(i for i, v in enumerate(value) if type(v) is not item)
+                    raise TraceError(where, f"{path}[{bad}]",
+                                     f"expected {_type_name(item)}, got {value[bad]!r}")
+                return flat
+            inner = decoder_for(item)
+
+            def homogeneous(value: Any, where: str, path: str) -> Any:
+                if type(value) is not list:
+                    raise TraceError(where, path, f"expected a list, got {value!r}")
+                return tuple([inner(v, where, f"{path}[{i}]") for i, v in enumerate(value)])
+            return homogeneous
+        parts = [decoder_for(a) for a in args]
+
+        def fixed(value: Any, where: str, path: str) -> Any:
+            if type(value) is not list:
+                raise TraceError(where, path, f"expected a list, got {value!r}")
+            if len(value) != len(parts):
+                raise TraceError(where, path, f"expected {len(parts)} items, got {len(value)}")
+            return tuple([p(v, where, f"{path}[{i}]") for i, (v, p) in enumerate(zip(value, parts))])
+        return fixed
     if annotation is bytes:
-        if isinstance(value, dict) and set(value) == {"@hex"} and isinstance(value["@hex"], str):
-            try:
-                return bytes.fromhex(value["@hex"])
-            except ValueError:
-                pass
-        raise TraceError(where, path, f"expected {{'@hex': ...}} bytes, got {value!r}")
+        def hexbytes(value: Any, where: str, path: str) -> Any:
+            if type(value) is dict and len(value) == 1:
+                text = value.get("@hex")
+                if type(text) is str:
+                    try:
+                        return bytes.fromhex(text)
+                    except ValueError:
+                        pass
+            raise TraceError(where, path, f"expected {{'@hex': ...}} bytes, got {value!r}")
+        return hexbytes
     if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise TraceError(where, path, f"expected true/false, got {value!r}")
+        return _scalar(bool, "true/false")
     if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise TraceError(where, path, f"expected an integer, got {value!r}")
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise TraceError(where, path, f"expected a number, got {value!r}")
+        return _scalar(int, "an integer")
     if annotation is str:
-        if isinstance(value, str):
-            return value
-        raise TraceError(where, path, f"expected a string, got {value!r}")
+        return _scalar(str, "a string")
+    if annotation is float:
+        def number(value: Any, where: str, path: str) -> Any:
+            if type(value) in (int, float):
+                return float(value)
+            raise TraceError(where, path, f"expected a number, got {value!r}")
+        return number
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        if isinstance(value, dict) and value.get("@enum") == annotation.__name__:
-            try:
-                return annotation(value.get("value"))
-            except ValueError:
-                pass
-        raise TraceError(where, path, f"expected a {annotation.__name__} value, got {value!r}")
+        enum_cls = annotation
+
+        def member(value: Any, where: str, path: str) -> Any:
+            if type(value) is dict and value.get("@enum") == enum_cls.__name__:
+                try:
+                    return enum_cls(value.get("value"))
+                except ValueError:
+                    pass
+            raise TraceError(where, path, f"expected a {enum_cls.__name__} value, got {value!r}")
+        return member
     if isinstance(annotation, type) and attrs.has(annotation):
-        if not isinstance(value, dict) or value.get("@") != annotation.__name__:
-            raise TraceError(where, path, f"expected a {annotation.__name__} record, got "
-                             f"{str(value)[:80]!r}")
-        return decode_record(annotation, value, where, path, skip=("@",))
-    raise TraceError(where, path, f"cannot decode type {_type_name(annotation)}")
+        cls = annotation
+        label = cls.__name__
+
+        def record(value: Any, where: str, path: str) -> Any:
+            if type(value) is not dict or value.get("@") != label:
+                raise TraceError(where, path, f"expected a {label} record, got "
+                                 f"{str(value)[:80]!r}")
+            return decode_record(cls, value, where, path, skip=("@",))
+        return record
+    raise ValueError(f"cannot decode type {_type_name(annotation)}")
+
+
+def decode_value(value: Any, annotation: Any, where: str, path: str) -> Any:
+    return decoder_for(annotation)(value, where, path)
 
 
 def _decode_untyped(value: Any, where: str, path: str) -> Any:
@@ -191,22 +252,37 @@ def _decode_untyped(value: Any, where: str, path: str) -> Any:
     return value
 
 
+_FIELDS: dict[type, tuple[frozenset[str], tuple[tuple[str, Decoder, bool], ...]]] = {}
+
+
+def _fields_of(cls: type) -> tuple[frozenset[str], tuple[tuple[str, Decoder, bool], ...]]:
+    found = _FIELDS.get(cls)
+    if found is None:
+        fields = attrs.fields(cls)
+        found = _FIELDS[cls] = (
+            frozenset(f.name for f in fields),
+            tuple((f.name, decoder_for(f.type), f.default is attrs.NOTHING) for f in fields),
+        )
+    return found
+
+
 def decode_record(cls: type, data: dict[str, Any], where: str, path: str = "",
                   skip: tuple[str, ...] = ()) -> Any:
-    fields = attrs.fields(cls)
-    known = {f.name for f in fields}
-    for name in data:
-        if name not in known and name not in skip:
-            raise TraceError(where, f"{path}.{name}".lstrip("."),
-                             f"unknown field for {cls.__name__}")
+    known, fields = _fields_of(cls)
+    if len(data) - len(skip) > len(known) or not known.issuperset(
+            k for k in data if k not in skip):
+        for name in data:
+            if name not in known and name not in skip:
+                raise TraceError(where, f"{path}.{name}".lstrip("."),
+                                 f"unknown field for {cls.__name__}")
     kwargs = {}
-    for field in fields:
-        sub = f"{path}.{field.name}".lstrip(".")
-        if field.name not in data:
-            if field.default is attrs.NOTHING:
-                raise TraceError(where, sub, f"missing (required by {cls.__name__})")
+    for name, decode, required in fields:
+        if name not in data:
+            if required:
+                raise TraceError(where, f"{path}.{name}".lstrip("."),
+                                 f"missing (required by {cls.__name__})")
             continue
-        kwargs[field.name] = decode_value(data[field.name], field.type, where, sub)
+        kwargs[name] = decode(data[name], where, f"{path}.{name}" if path else name)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:

@@ -166,6 +166,305 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# --------------------------------------------------------------------------
+# Simulator commands.
+
+
+def _faults_arg(text: str) -> tuple[str, ...]:
+    from sim.faults import SITES
+
+    if text in ("all", ""):
+        return tuple(SITES)
+    if text == "none":
+        return ()
+    sites = tuple(t.strip() for t in text.split(",") if t.strip())
+    for site in sites:
+        if site not in SITES:
+            raise argparse.ArgumentTypeError(
+                f"unknown fault site {site!r}; known: {', '.join(SITES)}, all, none")
+    return sites
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def add_sim_options(parser: argparse.ArgumentParser) -> None:
+    from sim.runner import SimOptions
+
+    d = SimOptions()
+    group = parser.add_argument_group("simulation")
+    group.add_argument("--seed", type=_nonneg_int, default=d.seed)
+    group.add_argument("--protocol", type=_protocol, default=d.protocol)
+    group.add_argument("--setup", choices=("both", "pd"), default=d.setup,
+                       help="one kv_both engine, or prefill + decode engines sharing a store")
+    group.add_argument("--workload", choices=("synthetic", "fast25"), default=d.workload)
+    group.add_argument("--fast25-path", default=d.fast25_path,
+                       help="FAST'25 trace (default: ../shared/data/mooncake-fast25/...)")
+    group.add_argument("--scale", type=_positive_int, default=d.scale,
+                       help="divide FAST'25 token counts by this (must divide 512)")
+    group.add_argument("--requests", type=_positive_int, default=d.requests)
+    group.add_argument("--rate", type=_positive_float, default=d.rate,
+                       help="synthetic arrivals per second")
+    group.add_argument("--world-size", type=_positive_int, default=d.world_size)
+    group.add_argument("--block-size", type=_positive_int, default=d.block_size)
+    group.add_argument("--num-blocks", type=_positive_int, default=d.num_blocks)
+    group.add_argument("--store-capacity", type=_positive_int, default=d.store_capacity)
+    group.add_argument("--token-budget", type=_positive_int, default=d.token_budget)
+    group.add_argument("--events", dest="events", action="store_true", default=d.events)
+    group.add_argument("--no-events", dest="events", action="store_false")
+    group.add_argument("--faults", type=_faults_arg, default=d.faults,
+                       help="comma-separated fault sites, 'all' or 'none'")
+    group.add_argument("--settle-time", type=_positive_float, default=d.settle_time)
+
+
+def options_from(args: argparse.Namespace) -> Any:
+    import attrs
+
+    from sim.runner import SimOptions
+
+    values = {f.name: getattr(args, f.name) for f in attrs.fields(SimOptions)
+              if hasattr(args, f.name)}
+    return SimOptions(**values)
+
+
+def _violation_dicts(result: Any) -> list[dict[str, Any]]:
+    return [{"invariant": f.invariant, "event_index": f.event_index, "engine": engine,
+             "message": f.message} for engine, f in result.findings]
+
+
+def _print_violation(result: Any) -> None:
+    from kvstate.invariants import INVARIANTS
+
+    engine, finding = result.findings[0]
+    print(f"\nVIOLATION {finding.invariant}: {INVARIANTS[finding.invariant].statement}")
+    print(f"  engine {engine}, observation {finding.event_index}: {finding.message}")
+    if result.windows and result.windows[0]:
+        print("  causal window (same request generation and job, oldest first):")
+        for line in result.windows[0]:
+            print("    " + (line if len(line) <= 220 else line[:217] + "..."))
+    more = len(result.findings) - 1
+    if more:
+        print(f"  ({more} more finding{'s' if more > 1 else ''}; --json lists them all)")
+    print(f"  reproduce: {result.options.command()}")
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    import io
+
+    from sim.runner import simulate
+
+    options = options_from(args)
+    out = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
+    try:
+        result = simulate(options, trace=out)
+    finally:
+        if out is not None:
+            out.close()
+    determinism = None
+    if args.check_determinism:
+        again = simulate(options, trace=io.StringIO())
+        determinism = {"first": result.trace_sha256, "second": again.trace_sha256,
+                       "identical": result.trace_sha256 == again.trace_sha256}
+    ok = result.ok and (determinism is None or determinism["identical"])
+    if args.json:
+        print(json.dumps({"ok": ok, "violations": _violation_dicts(result),
+                          "figures": result.figures, "faults": {
+                              "rates": result.fault_rates, "fired": result.fault_fired},
+                          "trace_sha256": result.trace_sha256, "determinism": determinism,
+                          "command": options.command()}, sort_keys=True))
+        return 0 if ok else 1
+    setup = "kv_both engine" if options.setup == "both" else \
+        "prefill engine (kv_producer) + decode engine (kv_consumer, save_decode_cache)"
+    print(f"kvstate sim: protocol {options.protocol}, seed {options.seed}, {setup}, "
+          f"{options.world_size} TP ranks, block size {options.block_size}")
+    workload = (f"synthetic, {options.requests} requests at {options.rate}/s with shared prefixes"
+                if options.workload == "synthetic" else
+                f"FAST'25 trace, {options.requests} requests, lengths / {options.scale}")
+    print(f"workload: {workload}")
+    print("fault swarm (site, per-visit rate when on):")
+    for site in options.faults:
+        rate = result.fault_rates.get(site)
+        fired = result.fault_fired.get(site, 0)
+        state = f"on  {rate:.3f}  fired {fired}" if rate is not None else "off"
+        print(f"  {site:13s} {state}")
+    f = result.figures
+    rows = [["simulated", f"{f['simulated_seconds']:.2f} s virtual, {f['wall_seconds']:.2f} s wall"],
+            ["kernel events", str(f["kernel_events"])],
+            ["observations checked", f"{f['observations']} x {f['invariants_checked']} invariants"],
+            ["engine steps", str(f["steps"])],
+            ["preemptions / id reuses", f"{f['preemptions']} / {f['id_reuses']}"],
+            ["store puts / exists keys", f"{f['store_puts']} / {f['store_exists_keys']}"],
+            ["store keys / evictions", f"{f['store_keys']} / {f['store_evictions']}"],
+            ["events published", str(f["events_published"])],
+            ["liveness (settled)", "yes" if f["liveness_ok"] else "NO"]]
+    print(_table(rows))
+    if determinism is not None:
+        print(f"determinism: trace sha256 {determinism['first'][:16]}... twice: "
+              f"{'identical' if determinism['identical'] else 'DIFFERENT'}")
+    if args.trace:
+        print(f"trace: {args.trace}")
+    if not result.ok:
+        _print_violation(result)
+    print(f"\nresult: {'ok' if ok else 'VIOLATION'}")
+    return 0 if ok else 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import time
+
+    from kvstate.invariants import INVARIANTS
+    from sim.check import check_trace
+
+    started = time.perf_counter()
+    result = check_trace(args.trace)
+    seconds = time.perf_counter() - started
+    rate = result.lines / seconds if seconds > 0 else 0.0
+    violations = [{"invariant": f.invariant, "event_index": f.event_index, "line": line,
+                   "engine": engine, "message": f.message} for line, engine, f in result.findings]
+    if args.json:
+        print(json.dumps({"ok": result.ok, "violations": violations, "lines": result.lines,
+                          "observations": result.observations, "seconds": round(seconds, 3),
+                          "lines_per_second": round(rate)}, sort_keys=True))
+    else:
+        print(f"{args.trace}: {result.observations} observations from {result.engines} "
+              f"engine(s) checked against {len(INVARIANTS)} invariants in {seconds:.2f} s "
+              f"({rate:,.0f} lines/s)")
+        for v in violations[:20]:
+            print(f"  line {v['line']}: {v['invariant']} {v['message']}")
+        if len(violations) > 20:
+            print(f"  ... {len(violations) - 20} more")
+        print(f"result: {'ok' if result.ok else 'VIOLATION'}")
+    return 0 if result.ok else 1
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from sim.replay import replay_trace
+
+    result = replay_trace(args.trace, protocol=args.protocol)
+    d = result.divergence
+    if args.json:
+        print(json.dumps({"ok": result.ok, "violations": [] if d is None else [
+            {"invariant": "divergence", "event_index": d.line, "message":
+             f"{d.kind}{d.field}: expected {d.expected}, got {d.got}"}],
+            "protocol": result.protocol, "lines": result.lines,
+            "outputs_compared": result.compared}, sort_keys=True))
+    else:
+        print(f"{args.trace}: replayed with protocol {result.protocol}; "
+              f"{result.compared} outputs compared over {result.lines} lines")
+        if d is not None:
+            print(f"DIVERGENCE at line {d.line} (engine {d.engine}), {d.kind}{d.field}:")
+            print(f"  recorded: {d.expected}")
+            print(f"  model:    {d.got}")
+        print(f"result: {'identical' if result.ok else 'DIVERGED'}")
+    return 0 if result.ok else 1
+
+
+def cmd_minimize(args: argparse.Namespace) -> int:
+    from kvstate.trace import iter_lines, read_header
+    from sim.minimize import NothingToMinimize, minimize
+    from sim.runner import SimOptions, simulate
+
+    if args.from_trace:
+        with open(args.from_trace, "rb") as handle:
+            first = next(iter_lines(handle, args.from_trace), None)
+        if first is None:
+            raise UsageError(f"{args.from_trace}: empty trace")
+        header = read_header(first[1], f"{args.from_trace}:1")
+        raw = header.get("options")
+        if not isinstance(raw, dict):
+            raise UsageError(f"{args.from_trace}: no simulator options in the header; "
+                             "minimize works on simulator traces")
+        try:
+            options = SimOptions(**{k: tuple(v) if isinstance(v, list) else v
+                                    for k, v in raw.items()})
+        except TypeError as exc:
+            raise UsageError(f"{args.from_trace}:1: field 'options': {exc}") from None
+    else:
+        options = options_from(args)
+    progress = None if args.json else (lambda m: print(m, file=sys.stderr))
+    try:
+        shrunk = minimize(options, invariant=args.invariant, max_runs=args.max_runs,
+                          progress=progress)
+    except NothingToMinimize as exc:
+        raise UsageError(str(exc)) from None
+    with open(args.out, "w") as out:
+        simulate(shrunk.options, trace=out)
+    if args.json:
+        print(json.dumps({"ok": False, "violations": _violation_dicts(shrunk.result),
+                          "invariant": shrunk.invariant, "runs": shrunk.runs,
+                          "passes": shrunk.passes, "command": shrunk.options.command(),
+                          "trace": args.out}, sort_keys=True))
+    else:
+        print(f"minimized {shrunk.invariant} in {shrunk.runs} runs: "
+              f"{shrunk.original.requests} -> {shrunk.options.requests} requests, "
+              f"{len(shrunk.original.faults)} -> {len(shrunk.options.faults)} fault sites, "
+              f"world size {shrunk.original.world_size} -> {shrunk.options.world_size}")
+        print(f"trace: {args.out}  (kvstate replay {args.out}; kvstate check {args.out})")
+        print(f"reproduce: {shrunk.options.command()}")
+    return 1
+
+
+def cmd_campaign(args: argparse.Namespace) -> int:
+    from sim.campaign import campaign, summary
+
+    interactive = sys.stderr.isatty() and not args.json
+
+    def progress(message: str) -> None:
+        if interactive:
+            print("\r" + message[:100].ljust(100), end="", file=sys.stderr, flush=True)
+
+    results = []
+    for protocol in args.protocol or ["kvstate"]:
+        results.append(campaign(protocol, budget=args.budget, seeds=args.seeds,
+                                start_seed=args.seed, progress=progress,
+                                stop_when_found=args.stop_when_found))
+    if interactive:
+        print(file=sys.stderr)
+    failed_sites = [s for r in results if r.ok for s in r.never_fired] if args.require_fired \
+        else []
+    ok = all(r.ok for r in results) and not failed_sites
+    if args.json:
+        print(json.dumps({"ok": ok, "violations": [
+            {"invariant": inv, "event_index": -1, "message":
+             f"{r.protocol}: first after {t}s; reproduce: {r.first_command[inv]}"}
+            for r in results for inv, t in r.first_found.items()],
+            "never_fired": failed_sites, "campaigns": [summary(r) for r in results]},
+            sort_keys=True))
+        return 0 if ok else 1
+    rows = [["protocol", "runs", "seconds", "invariants violated (first found after s)"]]
+    for r in results:
+        found = ", ".join(f"{inv} {t:.2f}" for inv, t in sorted(r.first_found.items(),
+                                                                key=lambda kv: kv[1]))
+        rows.append([r.protocol, str(r.runs), f"{r.seconds:.1f}", found or "-"])
+    print(_table(rows))
+    for r in results:
+        if r.ok:
+            print(f"{r.protocol}: fault sites fired: " + ", ".join(
+                f"{k}={v}" for k, v in sorted(r.fired.items())))
+            if r.never_fired:
+                print(f"  never fired: {', '.join(r.never_fired)}")
+    if failed_sites:
+        print(f"FAIL: configured fault sites never fired: {', '.join(failed_sites)}")
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,6 +490,48 @@ def build_parser() -> argparse.ArgumentParser:
     specs.add_argument("--json", action="store_true")
     specs.set_defaults(func=cmd_specs)
 
+    sim = sub.add_parser("sim", help="run the deterministic simulator (the main job)")
+    add_sim_options(sim)
+    sim.add_argument("--trace", help="write the run's trace (JSON Lines) here")
+    sim.add_argument("--check-determinism", action="store_true",
+                     help="run twice and compare the traces' hashes")
+    sim.add_argument("--json", action="store_true")
+    sim.set_defaults(func=cmd_sim)
+
+    check = sub.add_parser("check", help="run the invariant monitors over a trace")
+    check.add_argument("trace")
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=cmd_check)
+
+    replay = sub.add_parser("replay", help="re-drive the model from a trace; first divergence")
+    replay.add_argument("trace")
+    replay.add_argument("--protocol", type=_protocol, default=None,
+                        help="replay with another variant (default: the trace's)")
+    replay.add_argument("--json", action="store_true")
+    replay.set_defaults(func=cmd_replay)
+
+    mini = sub.add_parser("minimize", help="shrink a failing run, write its trace")
+    mini.add_argument("from_trace", nargs="?", help="a failing simulator trace (or give options)")
+    add_sim_options(mini)
+    mini.add_argument("--invariant", help="keep this invariant failing (default: the first)")
+    mini.add_argument("--max-runs", type=_positive_int, default=200)
+    mini.add_argument("--out", default="minimized.jsonl")
+    mini.add_argument("--json", action="store_true")
+    mini.set_defaults(func=cmd_minimize)
+
+    camp = sub.add_parser("campaign", help="many seeds per protocol; what each violates")
+    camp.add_argument("--protocol", type=_protocol, action="append",
+                      help="variant (repeatable; default: kvstate)")
+    camp.add_argument("--budget", type=_positive_float, default=60.0, help="seconds per protocol")
+    camp.add_argument("--seeds", type=_positive_int, default=None,
+                      help="run exactly this many seeds instead of a time budget")
+    camp.add_argument("--seed", type=_nonneg_int, default=0, help="first seed")
+    camp.add_argument("--stop-when-found", action="store_true")
+    camp.add_argument("--require-fired", action="store_true",
+                      help="fail if a configured fault site never fired")
+    camp.add_argument("--json", action="store_true")
+    camp.set_defaults(func=cmd_campaign)
+
     bench = sub.add_parser("bench", help="benchmark the core's bookkeeping against e2")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     bench.add_argument("--context", type=_positive_int, nargs="+", default=[1024, 131072])
@@ -211,10 +552,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from kvstate.trace import TraceError
+    from sim.workloads import WorkloadError
+
     try:
         return int(args.func(args))
-    except UsageError as exc:
+    except (UsageError, TraceError, WorkloadError) as exc:
         print(f"kvstate {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvstate {args.command}: error: {exc.filename or ''}: {exc.strerror}",
+              file=sys.stderr)
         return 2
 
 

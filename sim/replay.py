@@ -50,6 +50,7 @@ class Divergence:
     kind: str
     expected: str
     got: str
+    field: str = ""
 
 
 @attrs.define
@@ -63,6 +64,22 @@ class ReplayResult:
     @property
     def ok(self) -> bool:
         return self.divergence is None
+
+
+def first_difference(expected: Any, got: Any, path: str = "") -> tuple[str, Any, Any]:
+    """The path of the first differing field and the two values there."""
+    if type(expected) is type(got) and attrs.has(type(expected)):
+        for field in attrs.fields(type(expected)):
+            a, b = getattr(expected, field.name), getattr(got, field.name)
+            if a != b:
+                return first_difference(a, b, f"{path}.{field.name}")
+    if isinstance(expected, tuple) and isinstance(got, tuple):
+        for i, (a, b) in enumerate(zip(expected, got)):
+            if a != b:
+                return first_difference(a, b, f"{path}[{i}]")
+        if len(expected) != len(got):
+            return f"{path} (length)", len(expected), len(got)
+    return path or "(value)", expected, got
 
 
 def _short(value: Any, limit: int = 400) -> str:
@@ -135,8 +152,9 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
             try:
                 compared += _apply(engine, obs)
             except _Mismatch as mm:
+                where, a, b = first_difference(mm.expected, mm.got)
                 return ReplayResult(name, chosen, number, compared, Divergence(
-                    number, index, mm.kind, _short(mm.expected), _short(mm.got)))
+                    number, index, mm.kind, _short(a), _short(b), where))
             except (ValueError, KeyError, IndexError) as exc:
                 return ReplayResult(name, chosen, number, compared, Divergence(
                     number, index, type(obs).__name__, _short(obs),
