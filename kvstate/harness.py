@@ -139,6 +139,7 @@ class Harness:
         self.outbox: list[Report] = []
         self.current: dict[int, tuple[RankJob, ExistsCall | PutCall]] = {}
         self.published: list = []
+        self.published_count = 0
         self.plans: list[Plan] = []
         self.preemptions = 0
         self.last_finished: list[EngineRequest] = []
@@ -507,7 +508,9 @@ class Harness:
             self.observe(ReportDelivered(report))
         settlement = self.planner.on_reports(reports)
         self.pool.unref(settlement.releases)
-        self.published.extend(settlement.published)
+        if self.record:
+            self.published.extend(settlement.published)
+        self.published_count += len(settlement.published)
         self.observe(Settled(settlement))
 
     def run(self, steps: int, *, ranks: bool = True) -> None:

@@ -146,6 +146,10 @@ CATALOGUE: tuple[Invariant, ...] = (
 
 INVARIANTS: dict[str, Invariant] = {inv.id: inv for inv in CATALOGUE}
 
+# How many evicted chunk hashes the consumer model remembers (bounded: a child
+# announced later than this many evictions after its parent is flagged).
+EVICTED_MEMORY = 1 << 17
+
 
 def _key_fields(key: str) -> tuple[str, int, int]:
     """(hash hex, namespace, group) of a store key."""
@@ -163,13 +167,18 @@ def expected_content(key: str) -> str:
 class _Gen:
     """What the monitor knows about one request generation."""
 
-    __slots__ = ("mark", "hashes", "computed", "preempted_at")
+    __slots__ = ("mark", "hashes", "computed", "preempted_at", "outstanding", "ended",
+                 "announced")
 
     def __init__(self) -> None:
         self.mark = 0
         self.hashes: list[bytes] = []
         self.computed = 0
         self.preempted_at: int | None = None
+        self.outstanding = 0  # jobs emitted and not yet released
+        self.ended = False
+        # (chunk digest, group) -> rank namespaces whose ranks announced it stored
+        self.announced: dict[tuple[bytes, int], set[int]] = {}
 
 
 class _Job:
@@ -203,9 +212,11 @@ class Monitor:
         self.store: set[str] = store_view if store_view is not None else set()
         self.frontier: dict[tuple[int, GenKey], int] = {}
         self.offsets: dict[tuple[int, str, int], int] = {}
-        self.known_blocks: set[bytes] = set()
-        # (chunk digest, group) -> rank namespaces whose ranks announced it stored
-        self.announced: dict[tuple[bytes, int], set[int]] = {}
+        # The orphan-rejecting consumer's index: announced chunks still in the
+        # store. A chunk the store evicted is forgotten but remembered as
+        # evicted (bounded), so a child naming it is not mistaken for an orphan.
+        self.known_blocks: dict[bytes, None] = {}
+        self.evicted_blocks: dict[bytes, None] = {}
         self._computed_next: dict[str, int] = {}
         self._prefixes = {
             (r, g): key_prefix(config, r, g)
@@ -252,9 +263,13 @@ class Monitor:
         config = self.config
         for v in plan.violations:
             self.fail(v.invariant, v.message)
+        ended = []
         for end in plan.ended:
+            gen = self._gen((end.req_id, end.generation))
+            gen.ended = True
+            ended.append((end.req_id, end.generation))
             if end.reason == "preempted":
-                self._gen((end.req_id, end.generation)).preempted_at = self.index
+                gen.preempted_at = self.index
         for start in plan.started:
             self.current[start.req_id] = start.generation
             self._gen((start.req_id, start.generation))
@@ -283,10 +298,28 @@ class Monitor:
                           f"(decode={meta.is_decode}, save_decode_cache={config.save_decode_cache})")
             gen.mark = max(gen.mark, meta.token_len)
             gen.hashes[meta.hashes_start:] = meta.block_hashes
+            gen.outstanding += 1
             self.jobs[meta.job_id] = _Job(key, self.index)
         for block in plan.pins:
             self.pinned[block] += 1
         self._release(plan.releases)
+        for key in ended:
+            self._maybe_forget(key)
+
+    def _maybe_forget(self, key: GenKey) -> None:
+        """A generation that ended with every job released can produce no more
+        observations worth checking: drop what the monitor kept for it, so a
+        long run's monitor holds state only for live work."""
+        gen = self.gens.get(key)
+        if gen is None or not gen.ended or gen.outstanding > 0:
+            return
+        del self.gens[key]
+        req_id, generation = key
+        for rank in range(self.config.world_size):
+            self.frontier.pop((rank, key), None)
+            self.offsets.pop((rank, req_id, generation), None)
+        if self.current.get(req_id) == generation:
+            del self.current[req_id]
 
     def _release(self, blocks: Sequence[int]) -> None:
         for block in blocks:
@@ -299,23 +332,31 @@ class Monitor:
         for v in settlement.violations:
             self.fail(v.invariant, v.message)
         self._release(settlement.releases)
+        by = settlement.published_by
+        for i, event in enumerate(settlement.published):
+            self._published(event, by[i] if i < len(by) else None)
         for job_id in settlement.released_jobs:
-            self.jobs.pop(job_id, None)
-        for event in settlement.published:
-            self._published(event)
+            job = self.jobs.pop(job_id, None)
+            if job is not None:
+                gen = self.gens.get(job.gen)
+                if gen is not None:
+                    gen.outstanding -= 1
+                    self._maybe_forget(job.gen)
 
-    def _published(self, event: BlockStored) -> None:
+    def _published(self, event: BlockStored, by: GenKey | None) -> None:
         digest = event.block_hashes[-1]
-        announced = self.announced.get((digest, event.group_idx), set())
+        gen = self.gens.get(by) if by is not None else None
+        announced = gen.announced.get((digest, event.group_idx), set()) if gen else set()
         missing = set(range(self.config.num_namespaces)) - announced
         if missing:
             self.fail("S16", f"event for {digest.hex()} published, but rank namespaces "
                       f"{sorted(missing)} never reported storing it")
         parent = event.parent_block_hash
-        if parent is not None and parent not in self.known_blocks:
+        if (parent is not None and parent not in self.known_blocks
+                and parent not in self.evicted_blocks):
             self.fail("K4", f"event for {digest.hex()} names parent {parent.hex()}, which no "
                       "earlier event announced (an orphan)")
-        self.known_blocks.add(digest)
+        self.known_blocks[digest] = None
 
     # ------------------------------------------------------------------
     # Rank side.
@@ -420,11 +461,11 @@ class Monitor:
             self.fail("K6", f"rank {obs.rank} skipped job {obs.job_id} of {gen_key}: skipped "
                       f"since {obs.skipped_since}, now {obs.now}, backoff "
                       f"{config.pressure_backoff}")
-        ns = obs.rank // step
-        for event in obs.events:
-            self.announced.setdefault((event.block_hashes[-1], event.group_idx), set()).add(ns)
         if gen is None:
             return
+        ns = obs.rank // step
+        for event in obs.events:
+            gen.announced.setdefault((event.block_hashes[-1], event.group_idx), set()).add(ns)
         for event in obs.events:
             self._check_event(obs, gen, event)
 
@@ -474,6 +515,15 @@ class Monitor:
 
     def _on_KeyEvicted(self, obs: KeyEvicted) -> None:
         self.store.discard(obs.key)
+        try:
+            digest = bytes.fromhex(obs.key.rsplit("@", 1)[1])
+        except ValueError:
+            return
+        if self.known_blocks.pop(digest, 0) is None:
+            evicted = self.evicted_blocks
+            evicted[digest] = None
+            if len(evicted) > EVICTED_MEMORY:
+                del evicted[next(iter(evicted))]
 
     def _on_LookupDone(self, obs: LookupDone) -> None:
         config = self.config

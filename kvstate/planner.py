@@ -424,6 +424,7 @@ class Planner:
         releases: list[int] = []
         released: list[int] = []
         published: list[BlockStored] = []
+        published_by: list[tuple[str, int]] = []
         violations: list[Violation] = []
         dropped = 0
         world = self.config.world_size
@@ -447,7 +448,10 @@ class Planner:
                 tracker.rank_confirmed[report.rank] = report.confirmed_offset
                 pins.on_report(tracker, bs, releases)
             if report.events:
-                published.extend(self.quorum.add(tracker.gen_key, report.rank, report.events))
+                ready = self.quorum.add(tracker.gen_key, report.rank, report.events)
+                if ready:
+                    published.extend(ready)
+                    published_by.extend([tracker.gen_key] * len(ready))
             if len(book.ranks) == world:
                 del self.jobs[report.job_id]
                 released.append(report.job_id)
@@ -456,7 +460,7 @@ class Planner:
                 if tracker.ended and tracker.outstanding == 0:
                     dropped += self._settle_generation(tracker, releases)
         return Settlement(tuple(releases), tuple(released), tuple(published), dropped,
-                          tuple(violations))
+                          tuple(violations), tuple(published_by))
 
     # ------------------------------------------------------------------
 

@@ -199,6 +199,8 @@ class Settlement:
     published: tuple[BlockStored, ...] = ()
     dropped_events: int = 0
     violations: tuple[Violation, ...] = ()
+    # The generation whose report completed each published event's quorum.
+    published_by: tuple[GenKey, ...] = ()
 
 
 # Store calls a rank asks its caller to perform (sans-IO).
