@@ -203,19 +203,34 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         else:
             engines[0].arrive(arrival)
 
+    # Arrivals are fed lazily, one scheduled at a time, so a 100k-request
+    # workload never sits in memory (the heap holds only the next arrival).
     feed = _arrivals(options, kernel)
-    arrivals = 0
-    last_arrival = 0.0
-    for arrival in feed:
-        kernel.schedule(arrival.time, lambda a=arrival: arrive(a))
-        arrivals += 1
-        last_arrival = arrival.time
+    counts = {"arrivals": 0, "last": 0.0, "done": False}
+
+    def next_arrival() -> None:
+        arrival = next(feed, None)
+        if arrival is None:
+            counts["done"] = True
+            return
+        counts["arrivals"] += 1
+        counts["last"] = arrival.time
+
+        def fire() -> None:
+            arrive(arrival)
+            next_arrival()
+        kernel.schedule(max(0.0, arrival.time - kernel.now), fire)
+
+    next_arrival()
 
     def violated() -> bool:
         return stop_at_first and any(m.findings for m in monitors)
 
-    # Safety phase: until the last arrival plus a horizon for its work to run.
-    kernel.run(until=last_arrival + options.settle_time, stop=violated)
+    # Safety phase: every arrival, then a horizon for the last one's work.
+    kernel.run(stop=lambda: violated() or bool(counts["done"]))
+    if not violated():
+        kernel.run(until=kernel.now + options.settle_time, stop=violated)
+    arrivals, last_arrival = counts["arrivals"], counts["last"]
     safety_events = kernel.processed
     liveness_ok = True
     if not violated():
