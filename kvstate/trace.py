@@ -73,28 +73,45 @@ OBSERVATIONS = {
 # Encoding.
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in attrs.fields(cls))
+    return names
+
+
 def encode_value(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
+    kind = type(value)
+    if kind in _PLAIN:
         return value
-    if isinstance(value, enum.Enum):
-        return {"@enum": type(value).__name__, "value": value.value}
-    if isinstance(value, bytes):
-        return {"@hex": value.hex()}
-    if isinstance(value, (tuple, list)):
+    if kind is tuple or kind is list:
+        if all(type(v) is int for v in value):
+            return list(value)
         return [encode_value(v) for v in value]
-    if attrs.has(type(value)):
-        out = {"@": type(value).__name__}
-        for field in attrs.fields(type(value)):
-            out[field.name] = encode_value(getattr(value, field.name))
+    if kind is bytes:
+        return {"@hex": value.hex()}
+    if isinstance(value, enum.Enum):
+        return {"@enum": kind.__name__, "value": value.value}
+    if attrs.has(kind):
+        out = {"@": kind.__name__}
+        for name in _names(kind):
+            out[name] = encode_value(getattr(value, name))
         return out
-    raise TypeError(f"cannot encode {type(value).__name__} in a trace")
+    raise TypeError(f"cannot encode {kind.__name__} in a trace")
+
+
+_DUMPS = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def encode_observation(obs: Any, index: int, engine: int = 0, time: float = 0.0) -> str:
     line: dict[str, Any] = {"i": index, "e": engine, "t": time, "type": type(obs).__name__}
-    for field in attrs.fields(type(obs)):
-        line[field.name] = encode_value(getattr(obs, field.name))
-    return json.dumps(line, separators=(",", ":"))
+    for name in _names(type(obs)):
+        line[name] = encode_value(getattr(obs, name))
+    return _DUMPS(line)
 
 
 def encode_header(configs: list[Any], **extra: Any) -> str:

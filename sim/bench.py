@@ -281,3 +281,131 @@ def ratio_lines(results: dict[str, Any]) -> list[str]:
                 m = b["metadata_bytes_per_job"] / a["metadata_bytes_per_job"]
                 out.append(f"e2/kvstate at {c} tokens: time {t:.1f}x  metadata {m:.1f}x")
     return out
+
+
+# --------------------------------------------------------------------------
+# Simulator benchmarks (issue: simulator, "Speed and memory").
+
+
+def bare_heap_rate(events: int = 300_000) -> float:
+    """Events per second of a bare heapq loop with the kernel's entry shape
+    and a no-op action: the ceiling any Python event loop runs under."""
+    import heapq
+
+    heap: list[tuple[float, int, Any]] = []
+    noop = int
+    started = time.perf_counter()
+    seq = 0
+    now = 0.0
+    for _ in range(events):
+        seq += 1
+        heapq.heappush(heap, (now + 0.001, seq, noop))
+        now, _, action = heapq.heappop(heap)
+        action()
+    return events / (time.perf_counter() - started)
+
+
+def bench_sim(requests: int = 400, check_lines: bool = True) -> dict[str, Any]:
+    """Simulator throughput with every invariant checked after every
+    observation, against a bare heapq loop in the same run; trace-check
+    throughput on that run's trace."""
+    import os
+    import tempfile
+
+    from sim.check import check_trace
+    from sim.runner import SimOptions, simulate
+
+    heap_rate = bare_heap_rate()
+    options = SimOptions(requests=requests)
+    started = time.perf_counter()
+    result = simulate(options)
+    seconds = time.perf_counter() - started
+    figures: dict[str, Any] = {
+        "bare_heapq_events_per_s": round(heap_rate),
+        "sim_observations": result.figures["observations"],
+        "sim_kernel_events": result.figures["kernel_events"],
+        "sim_seconds": round(seconds, 3),
+        "sim_observations_per_s": round(result.figures["observations"] / seconds),
+        "sim_kernel_events_per_s": round(result.figures["kernel_events"] / seconds),
+    }
+    figures["ratio_observations_to_bare_heapq"] = round(
+        figures["sim_observations_per_s"] / heap_rate, 4)
+    figures["ratio_kernel_events_to_bare_heapq"] = round(
+        figures["sim_kernel_events_per_s"] / heap_rate, 4)
+    if check_lines:
+        fd, path = tempfile.mkstemp(suffix=".jsonl")
+        os.close(fd)
+        try:
+            with open(path, "w") as out:
+                simulate(options, trace=out)
+            started = time.perf_counter()
+            checked = check_trace(path)
+            seconds = time.perf_counter() - started
+            figures["check_lines"] = checked.lines
+            figures["check_lines_per_s"] = round(checked.lines / seconds)
+            figures["trace_bytes"] = os.path.getsize(path)
+        finally:
+            os.unlink(path)
+    return figures
+
+
+def bench_memory(counts: Sequence[int] = (10_000, 100_000), scale: int = 512) -> dict[str, Any]:
+    """Peak resident memory of FAST'25 runs of increasing size, each in a
+    fresh process (faults and events off: the size of the run, not of the
+    consumer index, is what is measured)."""
+    import json
+    import subprocess
+    import sys
+
+    out: dict[str, Any] = {}
+    for count in counts:
+        code = (
+            "import json, resource, sys\n"
+            "from sim.runner import SimOptions, simulate\n"
+            f"r = simulate(SimOptions(workload='fast25', requests={count}, scale={scale}, "
+            "faults=(), events=False))\n"
+            "print(json.dumps({'ok': r.ok, 'observations': r.figures['observations'], "
+            "'maxrss_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))\n"
+        )
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True)
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        row["seconds"] = round(time.perf_counter() - started, 1)
+        out[str(count)] = row
+    keys = [str(c) for c in counts]
+    if len(keys) >= 2:
+        out["peak_ratio_largest_to_smallest"] = round(
+            out[keys[-1]]["maxrss_kib"] / out[keys[0]]["maxrss_kib"], 3)
+    return out
+
+
+def bench_variants(trials: int = 5, budget: float = 60.0) -> dict[str, Any]:
+    """For every variant but the default: ``trials`` campaigns from different
+    start seeds, each stopping at its first violation (at most ``budget``
+    seconds); the invariants found and the median wall time to find one. The
+    default protocol gets one campaign of ``budget`` seconds and must find
+    nothing."""
+    from kvstate.variants import VARIANTS
+    from sim.campaign import campaign
+
+    out: dict[str, Any] = {}
+    for name in VARIANTS:
+        if name == "kvstate":
+            result = campaign(name, budget=budget)
+            out[name] = {"runs": result.runs, "seconds": result.seconds,
+                         "found": sorted(result.counts), "fired": result.fired,
+                         "never_fired": result.never_fired}
+            continue
+        times: list[float] = []
+        found: set[str] = set()
+        for trial in range(trials):
+            result = campaign(name, budget=budget, start_seed=1000 * trial,
+                              stop_when_found=True)
+            if result.first_found:
+                times.append(min(result.first_found.values()))
+                found |= set(result.counts)
+        out[name] = {"found": sorted(found), "trials": trials, "found_in": len(times),
+                     "median_seconds_to_find": round(statistics.median(times), 3)
+                     if times else None}
+    return out

@@ -139,20 +139,48 @@ def cmd_diagram(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from sim.bench import bench_core, format_report, ratio_lines
+    from sim.bench import bench_core, bench_memory, bench_sim, format_report, ratio_lines
 
-    if args.quick:
-        results = bench_core(contexts=(1024, 16384), requests=64, cycles=1, repeats=1)
-    else:
-        results = bench_core(contexts=tuple(args.context), requests=args.requests,
-                             world=args.world_size, cycles=args.cycles, repeats=args.repeats)
+    parts = set(args.part or ["core", "sim"])
+    report: dict[str, Any] = {}
+    if "core" in parts:
+        if args.quick:
+            core = bench_core(contexts=(1024, 16384), requests=64, cycles=1, repeats=1)
+        else:
+            core = bench_core(contexts=tuple(args.context), requests=args.requests,
+                              world=args.world_size, cycles=args.cycles, repeats=args.repeats)
+        report["core"] = {"results": core, "ratios": ratio_lines(core)}
+        if not args.json:
+            print(f"core bookkeeping per request-step, {next(iter(core.values()))['requests']} "
+                  "decoding requests, block size 16, no store I/O (medians, microseconds)")
+            print(format_report(core) + "\n")
+    if "sim" in parts:
+        sim = bench_sim(requests=80 if args.quick else 400)
+        report["sim"] = sim
+        if not args.json:
+            print("simulator, every invariant checked after every observation:")
+            print(_table([[k, str(v)] for k, v in sim.items()]) + "\n")
+    if "memory" in parts:
+        counts = (1000, 4000) if args.quick else tuple(args.memory_requests)
+        memory = bench_memory(counts)
+        report["memory"] = memory
+        if not args.json:
+            print("peak memory of FAST'25 runs (fresh process each, scale 512):")
+            print(_table([[k, str(v)] for k, v in memory.items()]))
+    if "variants" in parts:
+        from sim.bench import bench_variants
+
+        variants = bench_variants(trials=2 if args.quick else 5, budget=10 if args.quick else 60)
+        report["variants"] = variants
+        if not args.json:
+            print("campaigns per variant (first violation; median wall seconds to find):")
+            rows = [["variant", "invariants found", "median s"]]
+            for name, row in variants.items():
+                rows.append([name, " ".join(row["found"]) or "-",
+                             str(row.get("median_seconds_to_find", "-"))])
+            print(_table(rows))
     if args.json:
-        print(json.dumps({"ok": True, "violations": [], "results": results,
-                          "ratios": ratio_lines(results)}, sort_keys=True))
-    else:
-        print(f"core bookkeeping per request-step, {next(iter(results.values()))['requests']} "
-              "decoding requests, block size 16, no store I/O (medians, microseconds)")
-        print(format_report(results))
+        print(json.dumps({"ok": True, "violations": [], **report}, sort_keys=True))
     return 0
 
 
@@ -266,20 +294,18 @@ def _print_violation(result: Any) -> None:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    import io
-
     from sim.runner import simulate
 
     options = options_from(args)
     out = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
     try:
-        result = simulate(options, trace=out)
+        result = simulate(options, trace=out, hash_trace=args.check_determinism)
     finally:
         if out is not None:
             out.close()
     determinism = None
     if args.check_determinism:
-        again = simulate(options, trace=io.StringIO())
+        again = simulate(options, hash_trace=True)
         determinism = {"first": result.trace_sha256, "second": again.trace_sha256,
                        "identical": result.trace_sha256 == again.trace_sha256}
     ok = result.ok and (determinism is None or determinism["identical"])
@@ -532,8 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
     camp.add_argument("--json", action="store_true")
     camp.set_defaults(func=cmd_campaign)
 
-    bench = sub.add_parser("bench", help="benchmark the core's bookkeeping against e2")
+    bench = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
+    bench.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants"),
+                       help="what to measure (default: core sim)")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds)")
+    bench.add_argument("--memory-requests", type=_positive_int, nargs="+",
+                       default=[10_000, 100_000])
     bench.add_argument("--context", type=_positive_int, nargs="+", default=[1024, 131072])
     bench.add_argument("--requests", type=_positive_int, default=256)
     bench.add_argument("--world-size", type=_positive_int, default=8)

@@ -94,34 +94,38 @@ class SimResult:
 
 
 class _Recorder:
-    """Streams observations to the trace (if any), keeps a ring buffer for
-    causal windows, hashes everything for the determinism check."""
+    """Streams observations to the trace (if any) and into the determinism
+    hash (if asked: encoding every line costs more than checking it), and
+    keeps a ring buffer of recent observations for causal windows, encoded
+    only when a violation needs them."""
 
-    def __init__(self, kernel: Kernel, out: IO[str] | None) -> None:
+    def __init__(self, kernel: Kernel, out: IO[str] | None, digest: bool) -> None:
         self.kernel = kernel
         self.out = out
         self.index = 0
-        self.digest = hashlib.sha256()
+        self.digest = hashlib.sha256() if digest or out is not None else None
         self.local: list[int] = []
-        # (trace index, engine, engine-local index, observation, line)
-        self.recent: deque[tuple[int, int, int, Observation, str]] = deque(maxlen=WINDOW)
+        # (trace index, engine, engine-local index, time, observation)
+        self.recent: deque[tuple[int, int, int, float, Observation]] = deque(maxlen=WINDOW)
 
     def sink(self, engine: int) -> Any:
         self.local.append(0)
 
         def record(obs: Observation) -> None:
-            line = encode_observation(obs, self.index, engine, self.kernel.now)
-            self.digest.update(line.encode())
-            if self.out is not None:
-                self.out.write(line + "\n")
-            self.recent.append((self.index, engine, self.local[engine], obs, line))
+            now = self.kernel.now
+            if self.digest is not None:
+                line = encode_observation(obs, self.index, engine, now)
+                self.digest.update(line.encode())
+                if self.out is not None:
+                    self.out.write(line + "\n")
+            self.recent.append((self.index, engine, self.local[engine], now, obs))
             self.local[engine] += 1
             self.index += 1
         return record
 
     def locate(self, engine: int, local: int) -> tuple[int, Observation] | None:
         """Trace index and observation of an engine's ``local``-th observation."""
-        for index, e, loc, obs, _ in reversed(self.recent):
+        for index, e, loc, _, obs in reversed(self.recent):
             if e == engine and loc == local:
                 return index, obs
         return None
@@ -157,13 +161,15 @@ def build_configs(options: SimOptions) -> list[ConnectorConfig]:
 
 
 def simulate(options: SimOptions, trace: IO[str] | None = None,
-             stop_at_first: bool = True) -> SimResult:
+             stop_at_first: bool = True, hash_trace: bool = False) -> SimResult:
+    """Run once. ``trace`` receives the JSON Lines trace; ``hash_trace``
+    computes its sha256 without writing it (for the determinism check)."""
     started = wallclock.perf_counter()
     kernel = Kernel(options.seed)
     faults = Faults(kernel.rng, options.faults)
     variant = get_variant(options.protocol)
     configs = build_configs(options)
-    recorder = _Recorder(kernel, trace)
+    recorder = _Recorder(kernel, trace, hash_trace)
     if trace is not None:
         trace.write(encode_header(configs, protocol=options.protocol, seed=options.seed,
                                   options=attrs.asdict(options),
@@ -284,7 +290,7 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         figures=figures,
         fault_rates=dict(faults.rates),
         fault_fired=dict(faults.fired),
-        trace_sha256=recorder.digest.hexdigest(),
+        trace_sha256=recorder.digest.hexdigest() if recorder.digest is not None else "",
     )
 
 
@@ -296,9 +302,9 @@ def _window(recorder: _Recorder, engine: int, finding: Finding, size: int = 12) 
         return []
     index, trigger = found
     keys = _ids_of(trigger)
-    lines = [line for i, e, _, obs, line in recorder.recent
-             if e == engine and i <= index and (i == index or keys & _ids_of(obs))]
-    return lines[-size:]
+    picked = [(i, when, obs) for i, e, _, when, obs in recorder.recent
+              if e == engine and i <= index and (i == index or keys & _ids_of(obs))]
+    return [encode_observation(obs, i, engine, when) for i, when, obs in picked[-size:]]
 
 
 def run_to_string(options: SimOptions) -> tuple[SimResult, str]:

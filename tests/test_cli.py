@@ -61,12 +61,16 @@ def test_specs_are_fresh_and_diagram_prints_mermaid(capsys) -> None:
 
 
 def test_bench_quick_reports_both_protocols_and_ratios(capsys) -> None:
-    code, out = run_json(capsys, "bench", "--quick")
+    code, out = run_json(capsys, "bench", "--quick", "core", "sim", "memory")
     assert code == 0
-    assert set(out["results"]) == {"kvstate@1024", "kvstate@16384", "e2@1024", "e2@16384"}
-    for figures in out["results"].values():
+    core = out["core"]
+    assert set(core["results"]) == {"kvstate@1024", "kvstate@16384", "e2@1024", "e2@16384"}
+    for figures in core["results"].values():
         assert figures["exists_keys_per_decode_save"] == figures["new_chunks_per_decode_save"]
-    assert any("e2/kvstate" in line for line in out["ratios"])
+    assert any("e2/kvstate" in line for line in core["ratios"])
+    assert out["sim"]["sim_observations"] > 0 and out["sim"]["check_lines"] > 0
+    assert 0 < out["sim"]["ratio_observations_to_bare_heapq"] < 1
+    assert out["memory"]["1000"]["ok"] and out["memory"]["4000"]["ok"]
 
 
 def test_console_entry_point_runs_as_a_module() -> None:
