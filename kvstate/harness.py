@@ -122,6 +122,7 @@ class Harness:
         self.auto_preempt = auto_preempt
         self.sink = sink
         self.log: list[Observation] = []
+        self.times: list[float] = []  # the clock at each logged observation
         self.now = 0.0
         self.clock = clock if clock is not None else (lambda: self.now)
         self.pool = BlockPool(num_blocks, self.observe)
@@ -150,6 +151,7 @@ class Harness:
     def observe(self, obs: Observation) -> None:
         if self.record:
             self.log.append(obs)
+            self.times.append(self.clock())
         if self.sink is not None:
             self.sink(obs)
         self.monitor.observe(obs)
@@ -169,6 +171,15 @@ class Harness:
         req.transferred = transferred
         self.requests[req_id] = req
         self.waiting.append(req)
+
+    def trace_text(self, **header: object) -> str:
+        """The logged run as a kvstate trace (needs ``record``)."""
+        from kvstate.trace import encode_header, encode_observation
+
+        lines = [encode_header([self.config], protocol=self.variant.name, **header)]
+        lines += [encode_observation(obs, i, 0, t)
+                  for i, (obs, t) in enumerate(zip(self.log, self.times))]
+        return "\n".join(lines) + "\n"
 
     def __getitem__(self, req_id: str) -> EngineRequest:
         req = self.requests.get(req_id) or self.finished.get(req_id)

@@ -38,12 +38,30 @@ def render_invariants() -> str:
     return "\n".join(lines) + "\n"
 
 
+# Named scenarios whose traces are committed under specs/scenarios/ and replayed
+# by the tests: each shows one hazard the default protocol handles.
+SCENARIO_TRACES = (
+    "preempt-with-queued-job",
+    "reuse-with-stale-job",
+    "consumer-backfill",
+    "shared-prefix",
+)
+
+
+def render_scenario_trace(name: str) -> str:
+    from kvstate.scenarios import run
+
+    return run(name, "kvstate").trace_text(scenario=name)
+
+
 def rendered_specs() -> dict[str, str]:
     files = {
         "invariants.md": render_invariants(),
         "trace.schema.json": json.dumps(trace_schema(), indent=2, sort_keys=True) + "\n",
     }
     files.update({f"diagrams/{name}": text for name, text in all_diagrams().items()})
+    files.update({f"scenarios/{name}.jsonl": render_scenario_trace(name)
+                  for name in SCENARIO_TRACES})
     return files
 
 

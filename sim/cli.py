@@ -339,6 +339,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
             ["store puts / exists keys", f"{f['store_puts']} / {f['store_exists_keys']}"],
             ["store keys / evictions", f"{f['store_keys']} / {f['store_evictions']}"],
             ["events published", str(f["events_published"])],
+            ["router: blocks / orphans rejected", f"{f['consumer_blocks']} / "
+             f"{f['consumer_orphans_rejected']}"],
+            ["router: mean prefix hit at arrival", f"{f['mean_prefix_hit_chunks']} chunks"],
             ["liveness (settled)", "yes" if f["liveness_ok"] else "NO"]]
     print(_table(rows))
     if determinism is not None:

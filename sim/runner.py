@@ -30,9 +30,11 @@ import attrs
 from kvstate.config import ConnectorConfig, Role
 from kvstate.harness import EngineRequest, Harness
 from kvstate.invariants import INVARIANTS, Finding, Monitor
-from kvstate.observations import KeyEvicted, Observation, Quiescent
+from kvstate.keys import HashChain, chunk_hash
+from kvstate.observations import KeyEvicted, Observation, Quiescent, Settled
 from kvstate.trace import encode_header, encode_observation
 from kvstate.variants import get_variant
+from sim.consumer import RadixConsumer
 from sim.engine import SimEngine
 from sim.faults import SITES, Faults
 from sim.kernel import Kernel
@@ -50,7 +52,7 @@ class SimOptions:
     protocol: str = "kvstate"
     setup: str = "both"
     workload: str = "synthetic"
-    requests: int = 150
+    requests: int = 400
     rate: float = 60.0
     fast25_path: str = ""
     scale: int = 32
@@ -108,10 +110,16 @@ class _Recorder:
         # (trace index, engine, engine-local index, time, observation)
         self.recent: deque[tuple[int, int, int, float, Observation]] = deque(maxlen=WINDOW)
 
-    def sink(self, engine: int) -> Any:
+    def sink(self, engine: int, consumer: RadixConsumer | None = None) -> Any:
         self.local.append(0)
 
         def record(obs: Observation) -> None:
+            if consumer is not None:
+                if type(obs) is Settled:
+                    for event in obs.settlement.published:
+                        consumer.accept(event)
+                elif type(obs) is KeyEvicted and "@tp_rank:0@" in obs.key:
+                    consumer.forget(bytes.fromhex(obs.key.rsplit("@", 1)[1]))
             now = self.kernel.now
             if self.digest is not None:
                 line = encode_observation(obs, self.index, engine, now)
@@ -183,12 +191,14 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
             engine.harness.observe(KeyEvicted(key))
 
     store = SimStore(kernel, faults, options.store_capacity, on_evict)
+    consumer = RadixConsumer()  # one router, fed by every engine's published events
     for index, config in enumerate(configs):
         monitor = Monitor(config, store_view=shared_store_view)
         monitors.append(monitor)
         harness = Harness(config, variant, num_blocks=options.num_blocks, store=store,
                           token_budget=options.token_budget, monitor=monitor, record=False,
-                          keep_finished=False, auto_preempt=True, sink=recorder.sink(index),
+                          keep_finished=False, auto_preempt=True,
+                          sink=recorder.sink(index, consumer if options.events else None),
                           clock=lambda: kernel.now)
         engines.append(SimEngine(config.role.value, index, kernel, harness, store, faults,
                                  lookup=config.role is not Role.CONSUMER))
@@ -201,7 +211,13 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
             kernel.schedule(0.005, lambda: engines[1].arrive(arrival, transferred=True))
         engines[0].on_prefilled = hand_off
 
+    block, per_block = configs[0].block_size, configs[0].hashes_per_block
+
     def arrive(arrival: Arrival) -> None:
+        if options.events:
+            hashes = HashChain(configs[0].hash_block, arrival.prompt).hashes
+            consumer.prefix_hit([chunk_hash(hashes, c, per_block)
+                                 for c in range(len(arrival.prompt) // block)])
         if options.setup == "pd":
             # The prefill engine stops after the prompt; the decode engine generates.
             pending_max_new[arrival.req_id] = arrival.max_new_tokens
@@ -278,6 +294,11 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         "store_exists_keys": store.exists_keys,
         "events_published": sum(e.harness.published_count for e in engines),
         "hung_calls": sum(e.hung_calls for e in engines),
+        "consumer_blocks": consumer.accepted,
+        "consumer_orphans_rejected": consumer.orphans,
+        "consumer_duplicates": consumer.duplicates,
+        "mean_prefix_hit_chunks": round(consumer.hit_chunks / consumer.lookups, 3)
+        if consumer.lookups else 0.0,
         "invariants_checked": len(INVARIANTS),
         "liveness_ok": liveness_ok,
         "wall_seconds": round(wallclock.perf_counter() - started, 3),

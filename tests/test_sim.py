@@ -181,3 +181,27 @@ def test_sim_command_line(tmp_path: Path, capsys) -> None:
     assert "unknown fault site 'volcano'" in capsys.readouterr().err
     assert main(["sim", "--workload", "fast25", "--fast25-path", str(tmp_path / "nope")]) == 2
     assert "cannot open" in capsys.readouterr().err
+
+
+SCENARIO_TRACES = sorted((ROOT / "specs" / "scenarios").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", SCENARIO_TRACES, ids=lambda p: p.stem)
+def test_committed_scenario_traces_replay_and_check(path: Path) -> None:
+    assert replay_trace(path).ok
+    assert check_trace(path).ok
+
+
+def test_scenario_trace_shows_where_upstream_parts_ways() -> None:
+    path = ROOT / "specs" / "scenarios" / "reuse-with-stale-job.jsonl"
+    diverged = replay_trace(path, protocol="e2")
+    assert not diverged.ok and diverged.divergence.field == ".scope_generation"
+
+
+def test_router_counts_orphans_and_prefix_hits() -> None:
+    good = simulate(attrs.evolve(SMALL, faults=()))
+    assert good.ok and good.figures["consumer_orphans_rejected"] == 0
+    assert good.figures["mean_prefix_hit_chunks"] > 0
+    bad = simulate(attrs.evolve(SMALL, faults=(), protocol="parent-previous-emitted"),
+                   stop_at_first=False)
+    assert bad.figures["consumer_orphans_rejected"] > 0
