@@ -130,11 +130,23 @@ def cmd_diagram(args: argparse.Namespace) -> int:
 
     if args.machine not in MACHINES_BY_NAME:
         raise UsageError(f"unknown machine {args.machine!r}; known: {', '.join(MACHINES_BY_NAME)}")
-    text = to_mermaid(MACHINES_BY_NAME[args.machine])
+    missing: list[str] = []
+    if args.coverage:
+        if args.machine != "job":
+            raise UsageError("coverage from traces is derived for the job machine only")
+        from sim.coverage import job_coverage, unvisited
+
+        seen = job_coverage(args.coverage)
+        text = to_mermaid(MACHINES_BY_NAME["job"], coverage=seen)
+        missing = [f"{s.name} --{e.name.lower()}-->" for s, e in unvisited(seen)]
+    else:
+        text = to_mermaid(MACHINES_BY_NAME[args.machine])
     if args.json:
-        print(json.dumps({"ok": True, "violations": [], "mermaid": text}))
+        print(json.dumps({"ok": True, "violations": [], "mermaid": text, "unvisited": missing}))
     else:
         print(text, end="")
+        for line in missing:
+            print(f"%% never seen: {line}")
     return 0
 
 
@@ -577,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     diagram = sub.add_parser("diagram", help="print one machine's table as mermaid")
     diagram.add_argument("machine", help="request, job, pressure, skip, retry, pin, saved_mark")
+    diagram.add_argument("--coverage", nargs="+", metavar="TRACE",
+                         help="colour the job machine by the transitions these traces reached")
     diagram.add_argument("--json", action="store_true")
     diagram.set_defaults(func=cmd_diagram)
     return parser

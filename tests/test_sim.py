@@ -205,3 +205,18 @@ def test_router_counts_orphans_and_prefix_hits() -> None:
     bad = simulate(attrs.evolve(SMALL, faults=(), protocol="parent-previous-emitted"),
                    stop_at_first=False)
     assert bad.figures["consumer_orphans_rejected"] > 0
+
+
+def test_job_coverage_from_traces_colours_the_diagram(capsys) -> None:
+    from kvstate.tables import JobEvent, JobState
+    from sim.coverage import job_coverage, unvisited
+
+    seen = job_coverage(SCENARIO_TRACES)
+    assert (JobState.RUNNING, JobEvent.FOUND_STALE) in seen  # the stale job after reuse
+    assert (JobState.REPORTED, JobEvent.RELEASE) in seen
+    assert (JobState.PUTTING, JobEvent.PUT_FAILED) not in seen  # no failures scripted there
+    assert (JobState.PUTTING, JobEvent.PUT_FAILED) in unvisited(seen)
+    assert main(["diagram", "job", "--coverage", *map(str, SCENARIO_TRACES)]) == 0
+    out = capsys.readouterr().out
+    assert "class STALE covered" in out and "never seen: PUTTING --put_failed-->" in out
+    assert main(["diagram", "pin", "--coverage", str(SCENARIO_TRACES[0])]) == 2
