@@ -58,8 +58,11 @@ def campaign(
         elapsed = time.perf_counter() - started
         if (seeds is not None and runs >= seeds) or (seeds is None and elapsed >= budget):
             break
+        # Vary the shape too: both setups, and every other pair of seeds with
+        # MLA-style striding (each chunk stored by one rank).
         options = attrs.evolve(base, seed=seed, protocol=protocol,
-                               setup=setups[seed % len(setups)])
+                               setup=setups[seed % len(setups)],
+                               put_step=base.world_size if seed % 4 >= 2 else base.put_step)
         result = simulate(options, stop_at_first=False)
         runs += 1
         seed += 1

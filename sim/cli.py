@@ -263,6 +263,8 @@ def add_sim_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rate", type=_positive_float, default=d.rate,
                        help="synthetic arrivals per second")
     group.add_argument("--world-size", type=_positive_int, default=d.world_size)
+    group.add_argument("--put-step", type=_positive_int, default=d.put_step,
+                       help="TP striding: ranks per stored copy (must divide --world-size)")
     group.add_argument("--block-size", type=_positive_int, default=d.block_size)
     group.add_argument("--num-blocks", type=_positive_int, default=d.num_blocks)
     group.add_argument("--store-capacity", type=_positive_int, default=d.store_capacity)
@@ -282,6 +284,15 @@ def options_from(args: argparse.Namespace) -> Any:
     values = {f.name: getattr(args, f.name) for f in attrs.fields(SimOptions)
               if hasattr(args, f.name)}
     return SimOptions(**values)
+
+
+def _validate(options: Any) -> None:
+    from sim.runner import build_configs
+
+    try:
+        build_configs(options)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("ConnectorConfig.", "--").replace("_", "-")) from None
 
 
 def _violation_dicts(result: Any) -> list[dict[str, Any]]:
@@ -309,9 +320,20 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from sim.runner import simulate
 
     options = options_from(args)
+    _validate(options)
     out = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
     try:
-        result = simulate(options, trace=out, hash_trace=args.check_determinism)
+        interactive = sys.stderr.isatty() and not args.json
+
+        def bar(done: int, total: int) -> None:
+            filled = 30 * done // max(total, 1)
+            print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} requests",
+                  end="", file=sys.stderr, flush=True)
+
+        result = simulate(options, trace=out, hash_trace=args.check_determinism,
+                          progress=bar if interactive else None)
+        if interactive:
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     finally:
         if out is not None:
             out.close()

@@ -21,7 +21,7 @@ import io
 import shlex
 import time as wallclock
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,6 +57,7 @@ class SimOptions:
     fast25_path: str = ""
     scale: int = 32
     world_size: int = 2
+    put_step: int = 1
     block_size: int = 4
     num_blocks: int = 160
     store_capacity: int = 600
@@ -161,7 +162,8 @@ def _arrivals(options: SimOptions, kernel: Kernel) -> Iterator[Arrival]:
 
 def build_configs(options: SimOptions) -> list[ConnectorConfig]:
     common = dict(block_size=options.block_size, world_size=options.world_size,
-                  enable_kv_events=options.events, pressure_backoff=0.2)
+                  put_step=options.put_step, enable_kv_events=options.events,
+                  pressure_backoff=0.2)
     if options.setup == "both":
         return [ConnectorConfig(role=Role.BOTH, save_decode_cache=True, **common)]
     return [ConnectorConfig(role=Role.PRODUCER, **common),
@@ -169,9 +171,11 @@ def build_configs(options: SimOptions) -> list[ConnectorConfig]:
 
 
 def simulate(options: SimOptions, trace: IO[str] | None = None,
-             stop_at_first: bool = True, hash_trace: bool = False) -> SimResult:
+             stop_at_first: bool = True, hash_trace: bool = False,
+             progress: Callable[[int, int], None] | None = None) -> SimResult:
     """Run once. ``trace`` receives the JSON Lines trace; ``hash_trace``
-    computes its sha256 without writing it (for the determinism check)."""
+    computes its sha256 without writing it (for the determinism check);
+    ``progress(arrived, total)`` is called as arrivals come in."""
     started = wallclock.perf_counter()
     kernel = Kernel(options.seed)
     faults = Faults(kernel.rng, options.faults)
@@ -237,6 +241,8 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
             return
         counts["arrivals"] += 1
         counts["last"] = arrival.time
+        if progress is not None and counts["arrivals"] % 200 == 0:
+            progress(counts["arrivals"], options.requests)
 
         def fire() -> None:
             arrive(arrival)

@@ -83,7 +83,7 @@ def test_readme_commands_and_ci_agree() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash")[1:3]]
-    assert len(blocks) == 2 and "kvstate demo" in blocks[0]
+    assert len(blocks) == 2 and blocks[0].endswith("kvstate sim")
     test_command = blocks[1]
     assert "pytest" in test_command and "ruff" in test_command and "mypy" in test_command
     assert test_command in ci, ".ci/run must run the README's test command verbatim"
