@@ -113,6 +113,8 @@ class Harness:
         auto_preempt: bool = False,
         sink: Callable[[Observation], None] | None = None,
         clock: Callable[[], float] | None = None,
+        planner_factory: Callable[..., Planner] | None = None,
+        executor_factory: Callable[..., Executor] | None = None,
     ) -> None:
         self.config = config
         self.variant = get_variant(variant) if isinstance(variant, str) else variant
@@ -127,9 +129,13 @@ class Harness:
         self.clock = clock if clock is not None else (lambda: self.now)
         self.pool = BlockPool(num_blocks, self.observe)
         self.store = store if store is not None else MemoryStore()
-        self.planner = Planner(config, self.variant)
+        # Factories let another implementation of the same interfaces (your own
+        # connector bookkeeping) run under this engine, these monitors and the
+        # kvstate.testing machine.
+        self.planner = (planner_factory or Planner)(config, self.variant)
         self.ranks = [
-            Executor(config, r, self.variant, clock=self.clock, observer=self.observe)
+            (executor_factory or Executor)(config, r, self.variant, clock=self.clock,
+                                           observer=self.observe)
             for r in range(config.world_size)
         ]
         self.token_budget = token_budget

@@ -262,9 +262,14 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
     safety_events = kernel.processed
     liveness_ok = True
     if not violated():
+        # Liveness phase: faults off, and a bound generous enough for the work
+        # still queued (a fault swarm can leave a long backlog behind a slow
+        # store): settle_time plus 2 virtual seconds per request still in an engine.
         faults.enabled = False
-        deadline = kernel.now + options.settle_time
-        kernel.run(until=deadline, stop=violated)
+        backlog = sum(len(e.harness.requests) + len(e.backlog) for e in engines)
+        deadline = kernel.now + options.settle_time + 2.0 * backlog
+        kernel.run(until=deadline,
+                   stop=lambda: violated() or all(e.idle() for e in engines))
         for engine in engines:
             harness = engine.harness
             harness.deliver_reports()

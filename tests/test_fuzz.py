@@ -1,0 +1,42 @@
+"""The Hypothesis stateful machine (CI profile: derandomized, bounded)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.errors import Flaky
+
+from kvstate.testing import ConnectorMachine
+from sim.replay import replay_trace
+
+CI = settings(max_examples=60, stateful_step_count=40, derandomize=True, deadline=None,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+
+
+class DefaultProtocol(ConnectorMachine):
+    pass
+
+
+TestDefaultProtocol = DefaultProtocol.TestCase
+TestDefaultProtocol.settings = CI
+
+
+def machine_for(variant: str) -> type[ConnectorMachine]:
+    return type(f"Machine_{variant}", (ConnectorMachine,), {"variant": variant})
+
+
+@pytest.mark.parametrize("variant", [
+    "e2", "e1", "req-id-counter-ledger", "missing-finally", "parent-previous-emitted",
+    "no-pins-on-preemption", "retry-keyed-by-request", "boundary-without-plus-one",
+])
+def test_fuzzer_finds_the_variant_and_writes_a_replayable_trace(variant, tmp_path,
+                                                                monkeypatch) -> None:
+    monkeypatch.setenv("KVSTATE_FUZZ_DIR", str(tmp_path))
+    case = machine_for(variant).TestCase
+    case.settings = CI
+    with pytest.raises((AssertionError, Flaky)) as err:
+        case("runTest").runTest()
+    assert "kvstate replay" in str(err.value)
+    traces = sorted(tmp_path.glob(f"fuzz-{variant}-*.jsonl"))
+    assert traces
+    assert replay_trace(traces[-1]).ok  # the written counterexample replays exactly
