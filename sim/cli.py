@@ -528,6 +528,29 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from sim.fuzz import fuzz
+
+    results = [fuzz(p, budget=args.budget, examples=args.examples, steps=args.steps,
+                    out_dir=args.out_dir) for p in (args.protocol or ["kvstate"])]
+    ok = all(r.ok for r in results)
+    if args.json:
+        print(json.dumps({"ok": ok, "violations": [
+            {"invariant": r.invariant, "event_index": -1, "message": f"{r.protocol}: "
+             f"{r.message} (shrunk to {r.rules} rules; trace {r.trace})"}
+            for r in results if not r.ok],
+            "runs": [{"protocol": r.protocol, "rounds": r.rounds, "seconds": r.seconds,
+                      "invariant": r.invariant, "rules": r.rules, "trace": r.trace}
+                     for r in results]}, sort_keys=True))
+        return 0 if ok else 1
+    rows = [["protocol", "rounds", "seconds", "found", "shrunk rules", "trace"]]
+    for r in results:
+        rows.append([r.protocol, str(r.rounds), f"{r.seconds:.1f}", r.invariant or "-",
+                     str(r.rules or "-"), r.trace or "-"])
+    print(_table(rows))
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -581,6 +604,16 @@ def build_parser() -> argparse.ArgumentParser:
     mini.add_argument("--out", default="minimized.jsonl")
     mini.add_argument("--json", action="store_true")
     mini.set_defaults(func=cmd_minimize)
+
+    fz = sub.add_parser("fuzz", help="Hypothesis stateful fuzzing with a time budget")
+    fz.add_argument("--protocol", type=_protocol, action="append",
+                    help="variant (repeatable; default: kvstate)")
+    fz.add_argument("--budget", type=_positive_float, default=60.0, help="seconds per protocol")
+    fz.add_argument("--examples", type=_positive_int, default=200, help="programs per round")
+    fz.add_argument("--steps", type=_positive_int, default=50, help="rules per program")
+    fz.add_argument("--out-dir", default=".", help="where counterexample traces go")
+    fz.add_argument("--json", action="store_true")
+    fz.set_defaults(func=cmd_fuzz)
 
     camp = sub.add_parser("campaign", help="many seeds per protocol; what each violates")
     camp.add_argument("--protocol", type=_protocol, action="append",
