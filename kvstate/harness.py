@@ -545,6 +545,11 @@ class Harness:
                     and not self.current:
                 break
             self.step()
+        return self.quiesce()
+
+    def quiesce(self) -> Quiescent:
+        """Deliver what is left and hand monitors the liveness check: every
+        piece of state that should be gone at quiescence, by name."""
         self.deliver_reports()
         leftovers: list[tuple[str, int]] = []
         for name, value in self.planner.live_state_size().items():
@@ -554,7 +559,9 @@ class Harness:
             for name, value in executor.live_state_size().items():
                 if value:
                     leftovers.append((f"rank{executor.rank}.{name}", value))
-        pinned = sum(1 for b, r in enumerate(self.pool.refs) if b and r > 0)
-        quiet = Quiescent(pinned, tuple(leftovers))
+        if self.requests:
+            leftovers.append(("engine.requests", len(self.requests)))
+        held = sum(1 for b, r in enumerate(self.pool.refs) if b and r > 0)
+        quiet = Quiescent(held, tuple(leftovers))
         self.observe(quiet)
         return quiet

@@ -25,6 +25,7 @@ import json
 import types
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO, Any
 
 import attrs
@@ -369,6 +370,48 @@ def iter_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
             raise TraceError(f"{name}:{number}", "", f"not UTF-8 ({exc.reason})") from None
         if text.strip():
             yield number, text
+
+
+class TraceReader:
+    """Open a trace for streaming: ``header`` is read and checked at once;
+    iterate for ``(line number, engine, time, observation)``. A context manager."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.name = str(path)
+        try:
+            self._handle: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed in close()
+        except OSError as exc:
+            raise TraceError(self.name, "", f"cannot open ({exc.strerror})") from None
+        self._lines = iter_lines(self._handle, self.name)
+        first = next(self._lines, None)
+        if first is None:
+            self.close()
+            raise TraceError(f"{self.name}:1", "", "empty trace (no header)")
+        self.last_line = first[0]
+        try:
+            self.header = read_header(first[1], f"{self.name}:{first[0]}")
+        except TraceError:
+            self.close()
+            raise
+        self.engines = len(self.header["configs"])
+
+    def __iter__(self) -> Iterator[tuple[int, int, float, Any]]:
+        for number, text in self._lines:
+            self.last_line = number
+            _, engine, when, obs = decode_line(text, f"{self.name}:{number}")
+            if not 0 <= engine < self.engines:
+                raise TraceError(f"{self.name}:{number}", "e",
+                                 f"engine {engine} but the header configures {self.engines}")
+            yield number, engine, when, obs
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------

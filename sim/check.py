@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from kvstate.invariants import Finding, Monitor
-from kvstate.trace import TraceError, decode_line, iter_lines, read_header
+from kvstate.trace import TraceReader
 
 
 @attrs.define
@@ -32,30 +32,13 @@ class CheckResult:
 
 
 def check_trace(path: str | Path, stop_at_first: bool = False) -> CheckResult:
-    name = str(path)
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - closed below, streaming
-    except OSError as exc:
-        raise TraceError(name, "", f"cannot open ({exc.strerror})") from None
-    with handle:
-        lines = iter_lines(handle, name)
-        first = next(lines, None)
-        if first is None:
-            raise TraceError(f"{name}:1", "", "empty trace (no header)")
-        number, text = first
-        header = read_header(text, f"{name}:{number}")
+    with TraceReader(path) as reader:
         shared: set[str] = set()
-        monitors = [Monitor(config, store_view=shared) for config in header["configs"]]
+        monitors = [Monitor(config, store_view=shared) for config in reader.header["configs"]]
         seen = [0] * len(monitors)
         findings: list[tuple[int, int, Finding]] = []
         observations = 0
-        last = number
-        for number, text in lines:
-            last = number
-            _, engine, _, obs = decode_line(text, f"{name}:{number}")
-            if not 0 <= engine < len(monitors):
-                raise TraceError(f"{name}:{number}", "e",
-                                 f"engine {engine} but the header configures {len(monitors)}")
+        for number, engine, _, obs in reader:
             monitor = monitors[engine]
             monitor.observe(obs)
             observations += 1
@@ -65,4 +48,5 @@ def check_trace(path: str | Path, stop_at_first: bool = False) -> CheckResult:
                 seen[engine] = len(monitor.findings)
                 if stop_at_first:
                     break
-    return CheckResult(name, last, observations, len(monitors), findings, header)
+        return CheckResult(reader.name, reader.last_line, observations, len(monitors),
+                           findings, reader.header)

@@ -22,7 +22,7 @@ from kvstate.observations import (
     StoreCallRaised,
 )
 from kvstate.tables import JOB, JobEvent, JobState
-from kvstate.trace import TraceError, decode_line, iter_lines, read_header
+from kvstate.trace import TraceReader
 
 _J, _E = JobState, JobEvent
 _PUT_OUTCOME = {"stored": _E.PUT_OK, "partially_stored": _E.PUT_PARTIAL, "failed": _E.PUT_FAILED}
@@ -31,26 +31,14 @@ _PUT_OUTCOME = {"stored": _E.PUT_OK, "partially_stored": _E.PUT_PARTIAL, "failed
 def job_coverage(paths: Iterable[str | Path]) -> set[tuple[JobState, JobEvent]]:
     seen: set[tuple[JobState, JobEvent]] = set()
     for path in paths:
-        name = str(path)
-        try:
-            handle = open(path, "rb")  # noqa: SIM115 - streaming, closed below
-        except OSError as exc:
-            raise TraceError(name, "", f"cannot open ({exc.strerror})") from None
-        with handle:
-            lines = iter_lines(handle, name)
-            first = next(lines, None)
-            if first is None:
-                raise TraceError(f"{name}:1", "", "empty trace (no header)")
-            header = read_header(first[1], f"{name}:{first[0]}")
-            worlds = [c.world_size for c in header["configs"]]
+        with TraceReader(path) as reader:
             stage: dict[tuple[int, int, int], JobState] = {}  # (engine, job, rank) -> state
-            for number, text in lines:
-                _, engine, _, obs = decode_line(text, f"{name}:{number}")
-                _visit(seen, stage, engine, worlds, obs)
+            for _, engine, _, obs in reader:
+                _visit(seen, stage, engine, obs)
     return seen
 
 
-def _visit(seen: set, stage: dict, engine: int, worlds: list[int], obs: object) -> None:
+def _visit(seen: set, stage: dict, engine: int, obs: object) -> None:
     if isinstance(obs, Planned):
         if obs.plan.saves:
             seen.add((_J.EMITTED, _E.ENQUEUE))

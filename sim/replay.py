@@ -37,7 +37,7 @@ from kvstate.observations import (
 )
 from kvstate.planner import Planner
 from kvstate.records import ExistsCall, GetCall, LoadReport, PutCall, Report, SchedulerStep
-from kvstate.trace import TraceError, decode_line, iter_lines, read_header
+from kvstate.trace import TraceReader
 from kvstate.variants import get_variant
 
 _PRODUCED = (JobStarted, StateWritten, JobFinished)
@@ -128,25 +128,12 @@ def _same(kind: str, expected: Any, got: Any) -> None:
 
 
 def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
-    name = str(path)
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - streaming, closed below
-    except OSError as exc:
-        raise TraceError(name, "", f"cannot open ({exc.strerror})") from None
-    with handle:
-        lines = iter_lines(handle, name)
-        first = next(lines, None)
-        if first is None:
-            raise TraceError(f"{name}:1", "", "empty trace (no header)")
-        header = read_header(first[1], f"{name}:{first[0]}")
-        chosen = protocol or header.get("protocol") or "kvstate"
-        engines = [_EngineReplay(config, chosen) for config in header["configs"]]
+    with TraceReader(path) as reader:
+        name = reader.name
+        chosen = protocol or reader.header.get("protocol") or "kvstate"
+        engines = [_EngineReplay(config, chosen) for config in reader.header["configs"]]
         compared = 0
-        number = first[0]
-        for number, text in lines:
-            _, index, when, obs = decode_line(text, f"{name}:{number}")
-            if not 0 <= index < len(engines):
-                raise TraceError(f"{name}:{number}", "e", f"engine {index} not in the header")
+        for number, index, when, obs in reader:
             engine = engines[index]
             engine.now = when
             try:
@@ -161,10 +148,10 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
                     f"the model could not take this input: {exc}"))
         for index, engine in enumerate(engines):
             if engine.produced:
-                return ReplayResult(name, chosen, number, compared, Divergence(
-                    number, index, "end of trace", "nothing more",
+                return ReplayResult(name, chosen, reader.last_line, compared, Divergence(
+                    reader.last_line, index, "end of trace", "nothing more",
                     _short(engine.produced[0])))
-    return ReplayResult(name, chosen, number, compared, None)
+        return ReplayResult(name, chosen, reader.last_line, compared, None)
 
 
 def _apply(engine: _EngineReplay, obs: Any) -> int:

@@ -31,7 +31,7 @@ from kvstate.config import ConnectorConfig, Role
 from kvstate.harness import EngineRequest, Harness
 from kvstate.invariants import INVARIANTS, Finding, Monitor
 from kvstate.keys import HashChain, chunk_hash
-from kvstate.observations import KeyEvicted, Observation, Quiescent, Settled
+from kvstate.observations import KeyEvicted, Observation, Settled
 from kvstate.trace import encode_header, encode_observation
 from kvstate.variants import get_variant
 from sim.consumer import RadixConsumer
@@ -271,20 +271,7 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         kernel.run(until=deadline,
                    stop=lambda: violated() or all(e.idle() for e in engines))
         for engine in engines:
-            harness = engine.harness
-            harness.deliver_reports()
-            leftovers: list[tuple[str, int]] = []
-            for name, value in harness.planner.live_state_size().items():
-                if value:
-                    leftovers.append((f"planner.{name}", value))
-            for executor in harness.ranks:
-                for name, value in executor.live_state_size().items():
-                    if value:
-                        leftovers.append((f"rank{executor.rank}.{name}", value))
-            if harness.requests:
-                leftovers.append(("engine.requests", len(harness.requests)))
-            pinned = sum(1 for b, r in enumerate(harness.pool.refs) if b and r > 0)
-            harness.observe(Quiescent(pinned, tuple(leftovers)))
+            engine.harness.quiesce()
         liveness_ok = not any(m.findings for m in monitors)
 
     findings = [(i, f) for i, m in enumerate(monitors) for f in m.findings]
