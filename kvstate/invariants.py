@@ -551,8 +551,8 @@ class Monitor:
 
     def _on_Quiescent(self, obs: Quiescent) -> None:
         if obs.pinned_blocks or self.pinned:
-            self.fail("S6", f"{max(obs.pinned_blocks, len(self.pinned))} blocks still pinned at "
-                      "quiescence")
+            self.fail("S6", f"at quiescence {len(self.pinned)} blocks are still pinned and "
+                      f"{obs.pinned_blocks} still referenced")
         for job_id, job in self.jobs.items():
             missing = set(range(self.config.world_size)) - job.reports
             if missing:
