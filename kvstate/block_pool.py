@@ -28,6 +28,9 @@ class BlockPool:
         self.free: deque[int] = deque(range(1, num_blocks + 1))
         self.content: list[str] = [""] * (num_blocks + 1)
         self.observer = observer
+        # Called with (block, content) on every write: real KV caches fill the
+        # block's bytes from the content tag here (adapters.torch_kv).
+        self.on_write: Callable[[int, str], None] | None = None
 
     def allocate(self, n: int, req_id: str) -> list[int] | None:
         """``n`` blocks with one reference each, or ``None`` if too few are free."""
@@ -43,6 +46,8 @@ class BlockPool:
 
     def write(self, block: int, content: str) -> None:
         self.content[block] = content
+        if self.on_write is not None:
+            self.on_write(block, content)
         if self.observer is not None:
             self.observer(BlockWritten(block, content))
 

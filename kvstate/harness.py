@@ -426,8 +426,8 @@ class Harness:
 
     def _load(self, executor: Executor, call: GetCall) -> None:
         ok: list[bool] = []
-        for key, _group, block in zip(call.keys, call.groups, call.block_ids):
-            got = self.store.get(executor.rank, key)
+        for key, group, block in zip(call.keys, call.groups, call.block_ids):
+            got = self.store.load(executor.rank, key, group, block)
             good = got is not None and got.split("|", 1)[0] == key.rsplit("@", 1)[1]
             ok.append(good)
             self.pool.write(block, got.split("|", 1)[0] if good and got else "")
@@ -480,11 +480,12 @@ class Harness:
                 present = tuple(self.store.exists(rank, call.keys))
                 self.observe(ExistsAnswered(rank, job.meta.job_id, call.keys, present))
                 return self._handle(rank, job, executor.exists_answered(job, present))
+            contents = [rank_content(self.pool.content[block], rank, self.config.put_step, group)
+                        for group, block in zip(call.groups, call.block_ids)]
+            answers = self.store.put_many(rank, call.keys, call.groups, call.block_ids, contents)
             codes = []
-            for key, group, block, cid in zip(call.keys, call.groups, call.block_ids,
-                                              call.chunk_ids):
-                content = rank_content(self.pool.content[block], rank, self.config.put_step, group)
-                code, accepted = self.store.put(rank, key, content)
+            for key, group, block, cid, content, (code, accepted) in zip(
+                    call.keys, call.groups, call.block_ids, call.chunk_ids, contents, answers):
                 codes.append(code)
                 self.observe(PutDone(rank, job.meta.job_id, job.meta.req_id,
                                      job.meta.generation, key, group, cid, block, content,

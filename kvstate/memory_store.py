@@ -54,6 +54,28 @@ class MemoryStore:
         self.objects[key] = content
         return 0, True
 
+    def put_many(self, rank: int, keys: Sequence[str], groups: Sequence[int],
+                 blocks: Sequence[int], contents: Sequence[str]) -> list[tuple[int, bool]]:
+        """One batched put call: (code, accepted) per key. The answers are
+        drawn first, so a raise aborts the whole call before anything is stored
+        (a failed batch RPC); otherwise each key is put as ``put`` would."""
+        codes = [self._ask("put", rank, key) for key in keys]
+        out = []
+        for key, content, code in zip(keys, contents, codes):
+            self.puts += 1
+            if code != 0:
+                out.append((code, False))
+            elif key in self.objects:
+                out.append((0, False))
+            else:
+                self.objects[key] = content
+                out.append((0, True))
+        return out
+
+    def load(self, rank: int, key: str, group: int, block: int) -> str | None:
+        """Read ``key`` into engine block ``block``; the content read, or None."""
+        return self.get(rank, key)
+
     def get(self, rank: int, key: str) -> str | None:
         if self._ask("get", rank, key) != 0:
             return None

@@ -1,0 +1,183 @@
+"""A Mooncake store client configured like vLLM's connector, with bounded calls.
+
+Configuration comes from the JSON file named by ``MOONCAKE_CONFIG_PATH`` (the
+keys vLLM's connector reads: ``metadata_server``, ``master_server_address``,
+``protocol`` tcp|rdma, ``device_name``, ``global_segment_size``,
+``local_buffer_size`` with "4gb"-style sizes) or from explicit fields.
+
+Every store call runs on a worker thread and is bounded by ``timeout``
+seconds: upstream has no bound, so a hung master pins engine blocks forever
+(REFERENCE.md §6, S6). A call that times out raises ``TimeoutError`` — the
+executor then reports its job failed and its pins are released — and the
+client is marked broken, because the stuck call still owns the connection.
+Failures are return codes, named by ``code_name`` (REFERENCE.md §4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import attrs
+
+T = TypeVar("T")
+
+CODE_NAMES = {
+    0: "OK",
+    -200: "NO_AVAILABLE_HANDLE",
+    -600: "INVALID_PARAMS",
+    -704: "OBJECT_NOT_FOUND",
+    -706: "OBJECT_HAS_LEASE",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+}
+
+
+def code_name(code: int) -> str:
+    return CODE_NAMES.get(code, f"ERROR_{code}")
+
+
+class MooncakeUnavailable(RuntimeError):
+    """The mooncake package (or its system libraries) cannot be imported."""
+
+
+def parse_size(value: Any, field: str) -> int:
+    """``"4gb"``, ``"512MB"``, ``"64 kib"`` or a plain integer, in bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", str(value).lower())
+    if not match:
+        raise ValueError(f"MooncakeConfig.{field}={value!r}: expected a size like '4gb'")
+    number, unit = float(match.group(1)), match.group(2).rstrip("b").rstrip("i")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
+    return int(number * scale)
+
+
+@attrs.frozen(slots=True)
+class MooncakeConfig:
+    master_server_address: str
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 256 << 20
+    local_buffer_size: int = 64 << 20
+
+    def __attrs_post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"MooncakeConfig.protocol={self.protocol!r}: expected tcp or rdma")
+        if not re.fullmatch(r"[^:\s]+:\d+", self.master_server_address):
+            raise ValueError(f"MooncakeConfig.master_server_address="
+                             f"{self.master_server_address!r}: expected host:port")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "config") -> MooncakeConfig:
+        known = {f.name for f in attrs.fields(cls)} | {"mode"}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"{where}: unknown field {key!r}")
+        if "master_server_address" not in data:
+            raise ValueError(f"{where}: field 'master_server_address' missing")
+        fields = {k: v for k, v in data.items() if k != "mode"}
+        for size in ("global_segment_size", "local_buffer_size"):
+            if size in fields:
+                fields[size] = parse_size(fields[size], size)
+        return cls(**fields)
+
+    @classmethod
+    def from_env(cls) -> MooncakeConfig:
+        path = os.environ.get("MOONCAKE_CONFIG_PATH")
+        if not path:
+            raise ValueError("MOONCAKE_CONFIG_PATH is not set")
+        try:
+            with open(path) as handle:
+                data = json.load(handle)
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot open ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        return cls.from_dict(data, path)
+
+
+def _import_store() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:  # also raised when libibverbs1 is missing
+        raise MooncakeUnavailable(
+            "cannot import mooncake.store: pip install 'kvstate[mooncake]' and "
+            f"apt-get install libibverbs1 libnuma1 libcurl4 ({exc})") from exc
+    return MooncakeDistributedStore
+
+
+class MooncakeStore:
+    """One ``MooncakeDistributedStore`` with every call bounded by ``timeout``."""
+
+    def __init__(self, config: MooncakeConfig, timeout: float = 5.0,
+                 setup_timeout: float = 30.0) -> None:
+        self.config = config
+        self.timeout = timeout
+        self.broken: str | None = None
+        self._store = _import_store()()
+        self._lock = threading.Lock()
+        rc = self._bounded(lambda: self._store.setup(
+            config.local_hostname, config.metadata_server, config.global_segment_size,
+            config.local_buffer_size, config.protocol, config.device_name,
+            config.master_server_address), setup_timeout, "setup")
+        if rc != 0:
+            raise ConnectionError(f"mooncake setup against {config.master_server_address} "
+                                  f"returned {rc} ({code_name(rc)})")
+
+    def _bounded(self, call: Callable[[], T], timeout: float, what: str) -> T:
+        if self.broken is not None:
+            raise TimeoutError(f"mooncake store unusable: {self.broken}")
+        result: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(call())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                result.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True, name=f"mooncake-{what}").start()
+        try:
+            return result.result(timeout)
+        except TimeoutError:
+            self.broken = f"{what} did not return within {timeout}s"
+            raise TimeoutError(f"mooncake {what} did not return within {timeout}s") from None
+
+    def register(self, ptr: int, size: int) -> None:
+        rc = self._bounded(lambda: self._store.register_buffer(ptr, size), self.timeout,
+                           "register_buffer")
+        if rc != 0:
+            raise RuntimeError(f"register_buffer({size} bytes) returned {rc} ({code_name(rc)})")
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        answers = self._bounded(lambda: self._store.batch_is_exist(list(keys)), self.timeout,
+                                "batch_is_exist")
+        if any(a < 0 for a in answers):
+            raise ConnectionError(f"batch_is_exist failed for {sum(a < 0 for a in answers)} "
+                                  f"of {len(keys)} keys")
+        return [a == 1 for a in answers]
+
+    def put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+            sizes: Sequence[Sequence[int]]) -> list[int]:
+        return list(self._bounded(lambda: self._store.batch_put_from_multi_buffers(
+            list(keys), [list(p) for p in ptrs], [list(s) for s in sizes]), self.timeout,
+            "batch_put_from_multi_buffers"))
+
+    def get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+            sizes: Sequence[Sequence[int]]) -> list[int]:
+        return list(self._bounded(lambda: self._store.batch_get_into_multi_buffers(
+            list(keys), [list(p) for p in ptrs], [list(s) for s in sizes]), self.timeout,
+            "batch_get_into_multi_buffers"))
+
+    def close(self) -> None:
+        if self.broken is None:
+            self._store.close()

@@ -1,0 +1,39 @@
+"""Shared fixtures: one real Mooncake master and store per test session.
+
+The Mooncake tests run for real: a missing package or library fails them. They
+skip only when ``KVSTATE_NO_MOONCAKE=1`` says the store is unavailable on
+purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+@pytest.fixture(scope="session")
+def mooncake_master():
+    if os.environ.get("KVSTATE_NO_MOONCAKE") == "1":
+        pytest.skip("KVSTATE_NO_MOONCAKE=1: the real store is switched off")
+    from mooncake_master import Master
+
+    master = Master()
+    yield master
+    master.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_store(mooncake_master):
+    from adapters.mooncake import MooncakeConfig, MooncakeStore
+
+    store = MooncakeStore(MooncakeConfig(master_server_address=mooncake_master.address,
+                                         global_segment_size=128 << 20,
+                                         local_buffer_size=64 << 20))
+    yield store
+    store.close()

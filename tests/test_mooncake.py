@@ -1,0 +1,135 @@
+"""The core against a real mooncake_master on 127.0.0.1 and real KV bytes."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from adapters.mooncake import MooncakeConfig, MooncakeStore, code_name, parse_size
+from adapters.runner import RealStore, run_real, verify
+from adapters.torch_kv import PagedKV
+from kvstate.config import ConnectorConfig
+from kvstate.harness import Harness
+from kvstate.scenarios import prompt
+
+
+def isolated(**kwargs) -> ConnectorConfig:
+    """Each test writes under its own key prefix."""
+    return ConnectorConfig(cache_prefix=f"t{uuid.uuid4().hex[:8]}", block_size=4, **kwargs)
+
+
+def test_round_trip_verifies_every_stored_byte(mooncake_store) -> None:
+    shared = prompt(16, salt=1)
+    arrivals = [("a", shared + prompt(6, 2), 6), ("b", shared + prompt(9, 3), 5),
+                ("c", shared + prompt(6, 2), 4)]
+    result = run_real(mooncake_store, arrivals, isolated(world_size=2, save_decode_cache=True,
+                                                          enable_kv_events=True))
+    figures = result.figures
+    assert result.ok, result.violations
+    assert figures["verified_keys"] == figures["keys_written"] > 0
+    assert figures["wrong_keys"] == 0
+    assert figures["dedup_hits"] > 0  # the shared prefix is found, not re-put
+    assert figures["loads"] > 0  # "c" repeats "a"'s prompt: a lookup hit, loaded for real
+    assert figures["store_errors"] == {}
+
+
+def _preempt_running_job(store: MooncakeStore, variant: str) -> tuple[Harness, RealStore, PagedKV]:
+    config = isolated()
+    kv = PagedKV(1, 1, 3, 4)
+    for tensor in kv.tensors():
+        store.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    real = RealStore(store, kv)
+    h = Harness(config, variant, num_blocks=3, store=real)  # type: ignore[arg-type]
+    h.pool.on_write = kv.fill
+    h.add("a", prompt(8), max_new_tokens=3)
+    h.step()
+    h.advance(0)                      # exists answered; the put is pending
+    h.add("b", prompt(8, salt=7))
+    h.step(preempt=["a"], hold=["a"])
+    h.step(hold=["a"])                # b reuses whatever blocks are free
+    h.run_ranks()                     # the pending put reads the blocks now
+    h.settle()
+    return h, real, kv
+
+
+def test_a_freed_block_is_never_stored_under_a_valid_key(mooncake_store) -> None:
+    h, real, kv = _preempt_running_job(mooncake_store, "kvstate")
+    checked, _, wrong = verify(mooncake_store, kv, real.written)
+    assert checked and wrong == [] and h.monitor.findings == []
+    assert not any(h.pool.refs[1:])  # every pin released
+    # Upstream before the fix: the store now serves b's bytes under a's key.
+    h1, real1, kv1 = _preempt_running_job(mooncake_store, "e1")
+    _, _, wrong1 = verify(mooncake_store, kv1, real1.written)
+    assert wrong1 and "K1" in h1.monitor.fired()
+
+
+def test_a_full_store_answers_minus_200_and_nothing_wrong_is_readable(mooncake_master) -> None:
+    from mooncake_master import Master
+
+    # A master of its own whose only segment is 16 MiB (Mooncake's smallest):
+    # at 128 KiB per key it is full after ~128 keys.
+    master = Master()
+    store = MooncakeStore(MooncakeConfig(master_server_address=master.address,
+                                         global_segment_size=16 << 20,
+                                         local_buffer_size=16 << 20))
+    try:
+        arrivals = [(f"r{i}", prompt(40, salt=i), 2) for i in range(60)]
+        result = run_real(store, arrivals, isolated(world_size=2), num_blocks=64,
+                          heads=8, head_dim=1024)
+        figures = result.figures
+        assert figures["store_errors"].get("NO_AVAILABLE_HANDLE", 0) > 0
+        assert figures["wrong_keys"] == 0
+        assert not [v for v in result.violations if v["invariant"] in ("S6", "S4", "K1")]
+        # Every key the run stored is either still there with the right bytes, or was
+        # evicted by the full master (never there with wrong bytes).
+        assert figures["verified_keys"] + figures["missing_at_verify"] == figures["keys_written"]
+    finally:
+        store.close()
+        master.stop()
+
+
+def test_killed_master_gives_clear_errors_and_leaks_no_pins() -> None:
+    from mooncake_master import Master
+
+    master = Master()
+    store = MooncakeStore(MooncakeConfig(master_server_address=master.address,
+                                         global_segment_size=64 << 20), timeout=3.0)
+    config = isolated(world_size=1)
+    kv = PagedKV(1, 1, 64, 4)
+    for tensor in kv.tensors():
+        store.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    real = RealStore(store, kv)
+    h = Harness(config, num_blocks=64, store=real, record=False)  # type: ignore[arg-type]
+    h.pool.on_write = kv.fill
+    h.add("a", prompt(16), max_new_tokens=2)
+    h.step()
+    h.run_ranks()
+    assert real.puts > 0
+    master.stop()                     # the master dies mid-run
+    h.add("b", prompt(16, salt=4), max_new_tokens=2)
+    h.settle(max_steps=50)
+    assert real.errors, "the dead master's failures must be counted by name"
+    assert set(real.errors) <= {"RPC_FAIL", "TimeoutError", "ConnectionError",
+                                "TRANSFER_FAIL", "ERROR_-1"} | set(map(code_name, range(-1000, 0)))
+    assert not [f for f in h.monitor.findings if f.invariant in ("S6", "S4", "K1")]
+    assert not any(h.pool.refs[1:])
+
+
+def test_config_like_vllms_connector(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+                                "master_server_address": "127.0.0.1:50051",
+                                "global_segment_size": "4gb", "local_buffer_size": "512MB",
+                                "device_name": "", "mode": "embedded"}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    config = MooncakeConfig.from_env()
+    assert config.global_segment_size == 4 << 30 and config.local_buffer_size == 512 << 20
+    assert parse_size("64 KiB", "x") == 64 << 10
+    with pytest.raises(ValueError, match="protocol='ib'"):
+        MooncakeConfig(master_server_address="127.0.0.1:1", protocol="ib")
+    path.write_text('{"master_server_address": "127.0.0.1:1", "segment": 1}')
+    with pytest.raises(ValueError, match="unknown field 'segment'"):
+        MooncakeConfig.from_env()
+    assert code_name(-200) == "NO_AVAILABLE_HANDLE" and code_name(-42) == "ERROR_-42"
