@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -125,7 +126,9 @@ class MooncakeStore:
         self.timeout = timeout
         self.broken: str | None = None
         self._store = _import_store()()
-        self._lock = threading.Lock()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = \
+            queue.SimpleQueue()
+        threading.Thread(target=self._worker, daemon=True, name="mooncake-calls").start()
         rc = self._bounded(lambda: self._store.setup(
             config.local_hostname, config.metadata_server, config.global_segment_size,
             config.local_buffer_size, config.protocol, config.device_name,
@@ -134,18 +137,21 @@ class MooncakeStore:
             raise ConnectionError(f"mooncake setup against {config.master_server_address} "
                                   f"returned {rc} ({code_name(rc)})")
 
-    def _bounded(self, call: Callable[[], T], timeout: float, what: str) -> T:
-        if self.broken is not None:
-            raise TimeoutError(f"mooncake store unusable: {self.broken}")
-        result: Future[T] = Future()
-
-        def run() -> None:
+    def _worker(self) -> None:
+        while True:
+            call, result = self._calls.get()
             try:
                 result.set_result(call())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 result.set_exception(exc)
 
-        threading.Thread(target=run, daemon=True, name=f"mooncake-{what}").start()
+    def _bounded(self, call: Callable[[], T], timeout: float, what: str) -> T:
+        """Run ``call`` on the store's worker thread; give up after ``timeout``.
+        One long-lived worker (not a thread per call) keeps the bound cheap."""
+        if self.broken is not None:
+            raise TimeoutError(f"mooncake store unusable: {self.broken}")
+        result: Future[T] = Future()
+        self._calls.put((call, result))
         try:
             return result.result(timeout)
         except TimeoutError:

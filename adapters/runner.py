@@ -196,3 +196,73 @@ def run_real(
         "bytes_per_second": round((real.put_bytes + real.load_bytes) / seconds) if seconds else 0,
     }
     return RealResult(not violations, violations, figures)
+
+
+def workload_arrivals(kind: str, requests: int, seed: int, scale: int = 64,
+                      fast25_path: str = "") -> list[tuple[str, Sequence[int], int]]:
+    """Arrivals for the real runner from the simulator's workloads."""
+    import random
+    from pathlib import Path
+
+    from sim.runner import DEFAULT_FAST25
+    from sim.workloads import fast25, synthetic
+
+    if kind == "synthetic":
+        feed = synthetic(random.Random(seed), requests=requests, prompt_tokens=(16, 96),
+                         output_tokens=(2, 12))
+    else:
+        feed = fast25(Path(fast25_path) if fast25_path else DEFAULT_FAST25, scale=scale,
+                      limit=requests)
+    return [(a.req_id, a.prompt, min(a.max_new_tokens, 16)) for a in feed]
+
+
+def bench_adapter(store: MooncakeStore, sizes: Sequence[int] = (16 << 10, 256 << 10, 4 << 20),
+                  bytes_per_batch: int = 8 << 20, repeats: int = 5) -> dict[str, Any]:
+    """Put and get bytes/second through ``MooncakeStore`` (the adapter, with its
+    bounded calls) against the raw ``MooncakeDistributedStore`` calls on the same
+    registered buffers, in the same run."""
+    import statistics
+    import uuid
+
+    import torch
+
+    raw = store._store  # the wrapped client: the baseline
+    out: dict[str, Any] = {}
+    for size in sizes:
+        keys_per_size = max(2, bytes_per_batch // size)
+        buf = torch.randint(0, 256, (keys_per_size * size,), dtype=torch.uint8)
+        store.register(buf.data_ptr(), buf.numel())
+        ptrs = [[buf.data_ptr() + i * size] for i in range(keys_per_size)]
+        lens = [[size]] * keys_per_size
+        rates: dict[str, list[float]] = {"adapter_put": [], "raw_put": [], "adapter_get": [],
+                                         "raw_get": []}
+        for repeat in range(repeats):
+            # Alternate who goes first, so neither gains from the other's warm-up.
+            for who in (("adapter", "raw") if repeat % 2 == 0 else ("raw", "adapter")):
+                keys = [f"bench-{uuid.uuid4().hex}-{i}" for i in range(keys_per_size)]
+                started = time.perf_counter()
+                if who == "adapter":
+                    codes = store.put(keys, ptrs, lens)
+                else:
+                    codes = raw.batch_put_from_multi_buffers(keys, ptrs, lens)
+                put_s = time.perf_counter() - started
+                if any(c != 0 for c in codes):
+                    raise RuntimeError(f"bench put failed: {set(codes)}")
+                started = time.perf_counter()
+                if who == "adapter":
+                    got = store.get(keys, ptrs, lens)
+                else:
+                    got = raw.batch_get_into_multi_buffers(keys, ptrs, lens)
+                get_s = time.perf_counter() - started
+                if any(g < 0 for g in got):
+                    raise RuntimeError(f"bench get failed: {set(got)}")
+                total = size * keys_per_size
+                rates[f"{who}_put"].append(total / put_s)
+                rates[f"{who}_get"].append(total / get_s)
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        out[f"{size // 1024}KiB"] = {
+            **{k: round(v) for k, v in med.items()},
+            "put_ratio": round(med["adapter_put"] / med["raw_put"], 3),
+            "get_ratio": round(med["adapter_get"] / med["raw_get"], 3),
+        }
+    return out

@@ -547,6 +547,68 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_real(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from adapters.mooncake import MooncakeConfig, MooncakeStore, MooncakeUnavailable
+    from adapters.runner import bench_adapter, run_real, workload_arrivals
+    from kvstate.config import ConnectorConfig
+
+    master = None
+    try:
+        if args.master:
+            address = args.master
+        else:
+            from adapters.master import Master
+
+            master = Master()
+            address = master.address
+        try:
+            store = MooncakeStore(MooncakeConfig(
+                master_server_address=address, global_segment_size=args.segment_mib << 20,
+                local_buffer_size=64 << 20), timeout=args.timeout)
+        except (MooncakeUnavailable, ValueError, ConnectionError) as exc:
+            raise UsageError(str(exc)) from None
+        try:
+            if args.bench:
+                figures = bench_adapter(store)
+                if args.json:
+                    print(json.dumps({"ok": True, "violations": [], "adapter": figures},
+                                     sort_keys=True))
+                else:
+                    rows = [["block", "adapter put B/s", "raw put B/s", "put ratio",
+                             "adapter get B/s", "raw get B/s", "get ratio"]]
+                    for size, f in figures.items():
+                        rows.append([size, f"{f['adapter_put']:,}", f"{f['raw_put']:,}",
+                                     str(f["put_ratio"]), f"{f['adapter_get']:,}",
+                                     f"{f['raw_get']:,}", str(f["get_ratio"])])
+                    print(_table(rows))
+                return 0
+            arrivals = workload_arrivals(args.workload, args.requests, args.seed, args.scale,
+                                         args.fast25_path)
+            config = ConnectorConfig(block_size=args.block_size, world_size=args.world_size,
+                                     save_decode_cache=True, enable_kv_events=True,
+                                     cache_prefix=f"run{args.seed}")
+            result = run_real(store, arrivals, config, variant=args.protocol)
+        finally:
+            store.close()
+    finally:
+        if master is not None:
+            master.stop()
+    if args.json:
+        print(json.dumps({"ok": result.ok, "violations": result.violations,
+                          "figures": result.figures}, sort_keys=True))
+    else:
+        print(f"kvstate real: {len(arrivals)} requests through protocol {args.protocol} on "
+              f"{args.world_size} ranks against mooncake_master {address}")
+        print(_table([[k, str(v)] for k, v in result.figures.items()]))
+        for v in result.violations[:10]:
+            print(f"  {v['invariant']}: {v['message']}")
+        print(f"result: {'ok' if result.ok else 'MISMATCH'}")
+    return 0 if result.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -623,6 +685,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fail if a configured fault site never fired")
     camp.add_argument("--json", action="store_true")
     camp.set_defaults(func=cmd_campaign)
+
+    real = sub.add_parser("real", help="a workload through the core against a real Mooncake "
+                          "store and torch KV caches, verified byte for byte")
+    real.add_argument("--master", help="host:port of a running mooncake_master "
+                      "(default: start one on a free loopback port)")
+    real.add_argument("--protocol", type=_protocol, default="kvstate")
+    real.add_argument("--workload", choices=("synthetic", "fast25"), default="synthetic")
+    real.add_argument("--fast25-path", default="")
+    real.add_argument("--scale", type=_positive_int, default=64)
+    real.add_argument("--requests", type=_positive_int, default=40)
+    real.add_argument("--seed", type=_nonneg_int, default=0)
+    real.add_argument("--world-size", type=_positive_int, default=2, choices=(1, 2, 3, 4))
+    real.add_argument("--block-size", type=_positive_int, default=16)
+    real.add_argument("--segment-mib", type=_positive_int, default=256)
+    real.add_argument("--timeout", type=_positive_float, default=5.0,
+                      help="seconds a store call may take")
+    real.add_argument("--bench", action="store_true",
+                      help="instead: adapter vs raw client bytes/s for 16 KiB-4 MiB blocks")
+    real.add_argument("--json", action="store_true")
+    real.set_defaults(func=cmd_real)
 
     bench = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
     bench.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants"),

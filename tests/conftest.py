@@ -8,12 +8,9 @@ purpose.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
@@ -21,7 +18,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 def mooncake_master():
     if os.environ.get("KVSTATE_NO_MOONCAKE") == "1":
         pytest.skip("KVSTATE_NO_MOONCAKE=1: the real store is switched off")
-    from mooncake_master import Master
+    from adapters.master import Master
 
     master = Master()
     yield master

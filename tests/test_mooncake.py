@@ -66,7 +66,7 @@ def test_a_freed_block_is_never_stored_under_a_valid_key(mooncake_store) -> None
 
 
 def test_a_full_store_answers_minus_200_and_nothing_wrong_is_readable(mooncake_master) -> None:
-    from mooncake_master import Master
+    from adapters.master import Master
 
     # A master of its own whose only segment is 16 MiB (Mooncake's smallest):
     # at 128 KiB per key it is full after ~128 keys.
@@ -91,7 +91,7 @@ def test_a_full_store_answers_minus_200_and_nothing_wrong_is_readable(mooncake_m
 
 
 def test_killed_master_gives_clear_errors_and_leaks_no_pins() -> None:
-    from mooncake_master import Master
+    from adapters.master import Master
 
     master = Master()
     store = MooncakeStore(MooncakeConfig(master_server_address=master.address,
@@ -133,3 +133,17 @@ def test_config_like_vllms_connector(tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="unknown field 'segment'"):
         MooncakeConfig.from_env()
     assert code_name(-200) == "NO_AVAILABLE_HANDLE" and code_name(-42) == "ERROR_-42"
+
+
+def test_real_command_verifies_a_workload_and_benchmarks_the_adapter(capsys) -> None:
+    from sim.cli import main
+
+    assert main(["real", "--requests", "12", "--world-size", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["figures"]["verified_keys"] == out["figures"]["keys_written"] > 0
+    assert main(["real", "--bench", "--segment-mib", "512", "--json"]) == 0
+    bench = json.loads(capsys.readouterr().out)["adapter"]
+    assert set(bench) == {"16KiB", "256KiB", "4096KiB"}
+    assert all(row["put_ratio"] > 0 and row["get_ratio"] > 0 for row in bench.values())
+    assert main(["real", "--master", "127.0.0.1:1", "--timeout", "1"]) == 2
+    assert "error" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Start a real ``mooncake_master`` on free loopback ports (test support)."""
+"""Start a real ``mooncake_master`` on free loopback ports (tests, `kvstate real`)."""
 
 from __future__ import annotations
 
