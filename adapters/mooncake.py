@@ -164,6 +164,12 @@ class MooncakeStore:
         if rc != 0:
             raise RuntimeError(f"register_buffer({size} bytes) returned {rc} ({code_name(rc)})")
 
+    def unregister(self, ptr: int) -> None:
+        """Forget a registered buffer. Required before its memory is freed: a
+        later allocation at the same address could not be registered again."""
+        self._bounded(lambda: self._store.unregister_buffer(ptr), self.timeout,
+                      "unregister_buffer")
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         answers = self._bounded(lambda: self._store.batch_is_exist(list(keys)), self.timeout,
                                 "batch_is_exist")

@@ -12,7 +12,8 @@ the engine did is checked the same way when it happens.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -22,6 +23,24 @@ from adapters.torch_kv import PagedKV
 from kvstate.config import ConnectorConfig
 from kvstate.harness import Harness
 from kvstate.memory_store import StoreRaised
+
+
+@contextmanager
+def registered(store: MooncakeStore, tensors: Iterable[Any]) -> Iterator[None]:
+    """Register tensors' memory with the store for the block's duration."""
+    done: list[int] = []
+    try:
+        for tensor in tensors:
+            ptr = tensor.data_ptr()
+            store.register(ptr, tensor.numel() * tensor.element_size())
+            done.append(ptr)
+        yield
+    finally:
+        for ptr in done:
+            try:
+                store.unregister(ptr)
+            except TimeoutError:
+                break  # the store is broken; nothing more to release
 
 
 def key_fields(key: str) -> tuple[str, int, int]:
@@ -150,26 +169,27 @@ def run_real(
     the real store, then verify every stored key byte for byte."""
     kv = PagedKV(config.world_size, len(config.groups), num_blocks, config.block_size,
                  heads=heads, head_dim=head_dim, device=device, put_step=config.put_step)
-    for tensor in kv.tensors():
-        store.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-    real = RealStore(store, kv)
-    harness = Harness(config, variant, num_blocks=num_blocks, store=real,  # type: ignore[arg-type]
-                      token_budget=64, record=False, keep_finished=False, auto_preempt=True)
-    harness.pool.on_write = kv.fill
-    started = time.perf_counter()
-    pending = list(arrivals)
-    while pending:
-        req_id, prompt, max_new = pending.pop(0)
-        if req_id in harness.requests:
-            pending.append((req_id, prompt, max_new))
-        else:
-            harness.add(req_id, prompt, max_new, lookup=True)
-        for _ in range(steps_per_arrival):
-            harness.step()
-            harness.run_ranks()
-    harness.settle(max_steps=2000)
-    seconds = time.perf_counter() - started
-    checked, missing, wrong = verify(store, kv, real.written)
+    with registered(store, kv.tensors()):
+        real = RealStore(store, kv)
+        harness = Harness(config, variant, num_blocks=num_blocks,
+                          store=real,  # type: ignore[arg-type]
+                          token_budget=64, record=False, keep_finished=False,
+                          auto_preempt=True)
+        harness.pool.on_write = kv.fill
+        started = time.perf_counter()
+        pending = list(arrivals)
+        while pending:
+            req_id, prompt, max_new = pending.pop(0)
+            if req_id in harness.requests:
+                pending.append((req_id, prompt, max_new))
+            else:
+                harness.add(req_id, prompt, max_new, lookup=True)
+            for _ in range(steps_per_arrival):
+                harness.step()
+                harness.run_ranks()
+        harness.settle(max_steps=2000)
+        seconds = time.perf_counter() - started
+        checked, missing, wrong = verify(store, kv, real.written)
     findings = harness.monitor.findings
     violations = [{"invariant": f.invariant, "event_index": f.event_index, "message": f.message}
                   for f in findings]
@@ -221,9 +241,6 @@ def bench_adapter(store: MooncakeStore, sizes: Sequence[int] = (16 << 10, 256 <<
     """Put and get bytes/second through ``MooncakeStore`` (the adapter, with its
     bounded calls) against the raw ``MooncakeDistributedStore`` calls on the same
     registered buffers, in the same run."""
-    import statistics
-    import uuid
-
     import torch
 
     raw = store._store  # the wrapped client: the baseline
@@ -231,7 +248,16 @@ def bench_adapter(store: MooncakeStore, sizes: Sequence[int] = (16 << 10, 256 <<
     for size in sizes:
         keys_per_size = max(2, bytes_per_batch // size)
         buf = torch.randint(0, 256, (keys_per_size * size,), dtype=torch.uint8)
-        store.register(buf.data_ptr(), buf.numel())
+        out[f"{size // 1024}KiB"] = _bench_size(store, raw, buf, size, keys_per_size, repeats)
+    return out
+
+
+def _bench_size(store: MooncakeStore, raw: Any, buf: Any, size: int, keys_per_size: int,
+                repeats: int) -> dict[str, Any]:
+    import statistics
+    import uuid
+
+    with registered(store, [buf]):
         ptrs = [[buf.data_ptr() + i * size] for i in range(keys_per_size)]
         lens = [[size]] * keys_per_size
         rates: dict[str, list[float]] = {"adapter_put": [], "raw_put": [], "adapter_get": [],
@@ -259,10 +285,9 @@ def bench_adapter(store: MooncakeStore, sizes: Sequence[int] = (16 << 10, 256 <<
                 total = size * keys_per_size
                 rates[f"{who}_put"].append(total / put_s)
                 rates[f"{who}_get"].append(total / get_s)
-        med = {k: statistics.median(v) for k, v in rates.items()}
-        out[f"{size // 1024}KiB"] = {
-            **{k: round(v) for k, v in med.items()},
-            "put_ratio": round(med["adapter_put"] / med["raw_put"], 3),
-            "get_ratio": round(med["adapter_get"] / med["raw_get"], 3),
-        }
-    return out
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        **{k: round(v) for k, v in med.items()},
+        "put_ratio": round(med["adapter_put"] / med["raw_put"], 3),
+        "get_ratio": round(med["adapter_get"] / med["raw_get"], 3),
+    }

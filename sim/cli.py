@@ -567,8 +567,9 @@ def cmd_real(args: argparse.Namespace) -> int:
         try:
             store = MooncakeStore(MooncakeConfig(
                 master_server_address=address, global_segment_size=args.segment_mib << 20,
-                local_buffer_size=64 << 20), timeout=args.timeout)
-        except (MooncakeUnavailable, ValueError, ConnectionError) as exc:
+                local_buffer_size=64 << 20), timeout=args.timeout,
+                setup_timeout=max(10.0, 3 * args.timeout))
+        except (MooncakeUnavailable, ValueError, ConnectionError, TimeoutError) as exc:
             raise UsageError(str(exc)) from None
         try:
             if args.bench:

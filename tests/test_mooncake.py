@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from adapters.mooncake import MooncakeConfig, MooncakeStore, code_name, parse_size
-from adapters.runner import RealStore, run_real, verify
+from adapters.runner import RealStore, registered, run_real, verify
 from adapters.torch_kv import PagedKV
 from kvstate.config import ConnectorConfig
 from kvstate.harness import Harness
@@ -35,11 +35,18 @@ def test_round_trip_verifies_every_stored_byte(mooncake_store) -> None:
     assert figures["store_errors"] == {}
 
 
-def _preempt_running_job(store: MooncakeStore, variant: str) -> tuple[Harness, RealStore, PagedKV]:
+def _preempt_running_job(store: MooncakeStore, variant: str
+                         ) -> tuple[Harness, RealStore, PagedKV, list[str]]:
     config = isolated()
     kv = PagedKV(1, 1, 3, 4)
-    for tensor in kv.tensors():
-        store.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    with registered(store, kv.tensors()):
+        h, real = _run_preempt(store, kv, config, variant)
+        _, _, wrong = verify(store, kv, real.written)
+    return h, real, kv, wrong
+
+
+def _run_preempt(store: MooncakeStore, kv: PagedKV, config: ConnectorConfig, variant: str
+                 ) -> tuple[Harness, RealStore]:
     real = RealStore(store, kv)
     h = Harness(config, variant, num_blocks=3, store=real)  # type: ignore[arg-type]
     h.pool.on_write = kv.fill
@@ -51,17 +58,15 @@ def _preempt_running_job(store: MooncakeStore, variant: str) -> tuple[Harness, R
     h.step(hold=["a"])                # b reuses whatever blocks are free
     h.run_ranks()                     # the pending put reads the blocks now
     h.settle()
-    return h, real, kv
+    return h, real
 
 
 def test_a_freed_block_is_never_stored_under_a_valid_key(mooncake_store) -> None:
-    h, real, kv = _preempt_running_job(mooncake_store, "kvstate")
-    checked, _, wrong = verify(mooncake_store, kv, real.written)
-    assert checked and wrong == [] and h.monitor.findings == []
+    h, real, kv, wrong = _preempt_running_job(mooncake_store, "kvstate")
+    assert real.written and wrong == [] and h.monitor.findings == []
     assert not any(h.pool.refs[1:])  # every pin released
     # Upstream before the fix: the store now serves b's bytes under a's key.
-    h1, real1, kv1 = _preempt_running_job(mooncake_store, "e1")
-    _, _, wrong1 = verify(mooncake_store, kv1, real1.written)
+    h1, _, _, wrong1 = _preempt_running_job(mooncake_store, "e1")
     assert wrong1 and "K1" in h1.monitor.fired()
 
 
@@ -97,7 +102,7 @@ def test_killed_master_gives_clear_errors_and_leaks_no_pins() -> None:
     store = MooncakeStore(MooncakeConfig(master_server_address=master.address,
                                          global_segment_size=64 << 20), timeout=3.0)
     config = isolated(world_size=1)
-    kv = PagedKV(1, 1, 64, 4)
+    kv = PagedKV(1, 1, 64, 4)  # this store dies with its master: nothing to unregister
     for tensor in kv.tensors():
         store.register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
     real = RealStore(store, kv)
@@ -145,5 +150,5 @@ def test_real_command_verifies_a_workload_and_benchmarks_the_adapter(capsys) -> 
     bench = json.loads(capsys.readouterr().out)["adapter"]
     assert set(bench) == {"16KiB", "256KiB", "4096KiB"}
     assert all(row["put_ratio"] > 0 and row["get_ratio"] > 0 for row in bench.values())
-    assert main(["real", "--master", "127.0.0.1:1", "--timeout", "1"]) == 2
-    assert "error" in capsys.readouterr().err
+    assert main(["real", "--master", "no-port-here"]) == 2
+    assert "master_server_address='no-port-here'" in capsys.readouterr().err
