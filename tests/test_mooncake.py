@@ -152,3 +152,35 @@ def test_real_command_verifies_a_workload_and_benchmarks_the_adapter(capsys) -> 
     assert all(row["put_ratio"] > 0 and row["get_ratio"] > 0 for row in bench.values())
     assert main(["real", "--master", "no-port-here"]) == 2
     assert "master_server_address='no-port-here'" in capsys.readouterr().err
+
+
+def test_keys_leased_by_a_read_cannot_be_removed_and_are_named(mooncake_store) -> None:
+    """A read grants a lease (10 s by default): removing the key now fails with
+    OBJECT_HAS_LEASE, named as such; the keys stay readable with their bytes."""
+    config = isolated(world_size=1)
+    arrivals = [("a", prompt(16, salt=11), 2)]
+    first = run_real(mooncake_store, arrivals, config)
+    assert first.ok and first.figures["keys_written"] > 0
+    kv = PagedKV(1, 1, 4, 4)
+    key = f"{config.cache_prefix}@test-model@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
+    with registered(mooncake_store, kv.tensors()):
+        written = [k for k in _keys_with_prefix(mooncake_store, config, arrivals)]
+        assert written and written[0].startswith(key)
+        checked, missing, wrong = verify(mooncake_store, kv, written)  # the read leases them
+        assert checked == len(written) and not missing and not wrong
+        rc = mooncake_store._store.remove(written[0])
+        assert code_name(rc) == "OBJECT_HAS_LEASE"
+        assert all(mooncake_store.exists(written))  # still there, still the right bytes
+        assert verify(mooncake_store, kv, written)[2] == []
+
+
+def _keys_with_prefix(store: MooncakeStore, config: ConnectorConfig, arrivals) -> list[str]:
+    from kvstate.keys import chain_hashes, chunk_hash, key_for, key_prefix
+
+    keys = []
+    for _, tokens, _ in arrivals:
+        hashes = chain_hashes(list(tokens), config.hash_block)
+        for cid in range(len(tokens) // config.block_size):
+            keys.append(key_for(key_prefix(config, 0, 0), chunk_hash(hashes, cid, 1)))
+    present = store.exists(keys)
+    return [k for k, p in zip(keys, present) if p]
