@@ -178,17 +178,18 @@ class MooncakeStore:
                                   f"of {len(keys)} keys")
         return [a == 1 for a in answers]
 
-    def put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
-            sizes: Sequence[Sequence[int]]) -> list[int]:
-        return list(self._bounded(lambda: self._store.batch_put_from_multi_buffers(
-            list(keys), [list(p) for p in ptrs], [list(s) for s in sizes]), self.timeout,
-            "batch_put_from_multi_buffers"))
+    # The binding wants plain lists (one list of buffer addresses and one of
+    # sizes per key); callers build them so, and nothing is copied here.
 
-    def get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
-            sizes: Sequence[Sequence[int]]) -> list[int]:
-        return list(self._bounded(lambda: self._store.batch_get_into_multi_buffers(
-            list(keys), [list(p) for p in ptrs], [list(s) for s in sizes]), self.timeout,
-            "batch_get_into_multi_buffers"))
+    def put(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        return list(self._bounded(
+            lambda: self._store.batch_put_from_multi_buffers(keys, ptrs, sizes),
+            self.timeout, "batch_put_from_multi_buffers"))
+
+    def get(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+        return list(self._bounded(
+            lambda: self._store.batch_get_into_multi_buffers(keys, ptrs, sizes),
+            self.timeout, "batch_get_into_multi_buffers"))
 
     def close(self) -> None:
         if self.broken is None:

@@ -89,7 +89,7 @@ class RealStore:
             ptrs.append(p)
             sizes.append(s)
         try:
-            codes = self.store.put(keys, ptrs, sizes)
+            codes = self.store.put(list(keys), ptrs, sizes)
         except TimeoutError as exc:
             self._error("TimeoutError")
             raise StoreRaised(str(exc)) from None
