@@ -25,7 +25,6 @@ SCENARIOS: dict[str, Scenario] = {}
 def scenario(name: str) -> Callable[[Scenario], Scenario]:
     def register(fn: Scenario) -> Scenario:
         SCENARIOS[name] = fn
-        fn.scenario_name = name  # type: ignore[attr-defined]
         return fn
     return register
 

@@ -279,8 +279,6 @@ JOB = Machine(
     },
 )
 
-# Outcome states in which a job's rank is done with it and owes a report.
-JOB_OUTCOMES: frozenset[JobState] = frozenset(_OUTCOMES)
 
 
 # --------------------------------------------------------------------------

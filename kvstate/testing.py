@@ -57,7 +57,6 @@ class ConnectorMachine(RuleBasedStateMachine):
         pressure_backoff=2.0)
     variant: ClassVar[str] = "kvstate"
     num_blocks: ClassVar[int] = 24
-    request_ids: ClassVar[tuple[str, ...]] = ("a", "b", "c")
     planner_factory: ClassVar[Callable[..., Any] | None] = None
     executor_factory: ClassVar[Callable[..., Any] | None] = None
 

@@ -102,7 +102,6 @@ class SimEngine:
         self.threads = [RankThread(self, r) for r in range(harness.config.world_size)]
         self.stepping = False
         self.steps = 0
-        self.arrived = 0
         self.reuses = 0
         self.hung_calls = 0
         self.backlog: deque[Arrival] = deque()
@@ -124,7 +123,6 @@ class SimEngine:
             self.harness.add(req_id, arrival.prompt, arrival.max_new_tokens,
                              lookup=self.lookup, transferred=transferred)
             self._recent.append(req_id)
-        self.arrived += 1
         self.wake()
 
     def wake(self) -> None:

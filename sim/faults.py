@@ -57,9 +57,3 @@ class Faults:
             self.fired[site] += 1
             return True
         return False
-
-    def describe(self) -> list[str]:
-        return [
-            f"{site:13s} {'on ' + format(self.rates[site], '.3f') if site in self.rates else 'off'}"
-            for site in self.configured
-        ]

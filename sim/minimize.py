@@ -20,8 +20,6 @@ import attrs
 
 from sim.runner import SimOptions, SimResult, simulate
 
-PASSES: tuple[str, ...] = ("fewer-requests", "fewer-faults", "fewer-ranks")
-
 
 @attrs.define
 class Minimized:

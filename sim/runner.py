@@ -17,7 +17,6 @@ backfills it with its first decode save).
 from __future__ import annotations
 
 import hashlib
-import io
 import shlex
 import time as wallclock
 from collections import deque
@@ -324,9 +323,3 @@ def _window(recorder: _Recorder, engine: int, finding: Finding, size: int = 12) 
     picked = [(i, when, obs) for i, e, _, when, obs in recorder.recent
               if e == engine and i <= index and (i == index or keys & _ids_of(obs))]
     return [encode_observation(obs, i, engine, when) for i, when, obs in picked[-size:]]
-
-
-def run_to_string(options: SimOptions) -> tuple[SimResult, str]:
-    buffer = io.StringIO()
-    result = simulate(options, trace=buffer)
-    return result, buffer.getvalue()

@@ -15,7 +15,6 @@ from sim.kernel import Kernel
 # batch_is_exist ~0.07-0.09 ms; a 256 KiB put at 0.9 GB/s ~0.3 ms per key.
 EXISTS_LATENCY = 0.00008
 PUT_LATENCY_PER_KEY = 0.0003
-GET_LATENCY_PER_KEY = 0.0001
 NO_AVAILABLE_HANDLE = -200
 TRANSFER_FAIL = -800
 
