@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -202,6 +203,7 @@ class Monitor:
         self.enabled = frozenset(only) if only is not None else frozenset(INVARIANTS)
         self.findings: list[Finding] = []
         self.index = -1
+        self._handlers: dict[type, Any] = {}  # observation type -> bound checker (or None)
         self.gens: dict[GenKey, _Gen] = {}
         self.current: dict[str, int] = {}
         self.jobs: dict[int, _Job] = {}
@@ -234,7 +236,11 @@ class Monitor:
 
     def observe(self, obs: Observation) -> None:
         self.index += 1
-        handler = getattr(self, "_on_" + type(obs).__name__, None)
+        kind = type(obs)
+        try:
+            handler = self._handlers[kind]
+        except KeyError:
+            handler = self._handlers[kind] = getattr(self, "_on_" + kind.__name__, None)
         if handler is not None:
             handler(obs)
 
