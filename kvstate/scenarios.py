@@ -210,26 +210,29 @@ def evicted_and_reput(variant: str | Variant) -> Harness:
     return h
 
 
+def _stored_then_looked_up(variant: str | Variant, config: ConnectorConfig,
+                           store: MemoryStore | None = None, load_async: bool = False) -> Harness:
+    """Request "a" stores a 12-token prompt; then "b" with the same prompt looks
+    the store up and loads what it finds."""
+    h = Harness(config, variant, num_blocks=32, store=store)
+    h.add("a", prompt(12))
+    h.settle()
+    h.add("b", prompt(12), lookup=True, load_async=load_async)
+    h.settle()
+    return h
+
+
 @scenario("load-hit")
 def load_hit(variant: str | Variant) -> Harness:
     """A second request finds the first one's prompt in the store and loads it."""
-    h = Harness(ConnectorConfig(block_size=4), variant, num_blocks=32)
-    h.add("a", prompt(12))
-    h.settle()
-    h.add("b", prompt(12), lookup=True)
-    h.settle()
-    return h
+    return _stored_then_looked_up(variant, ConnectorConfig(block_size=4))
 
 
 @scenario("load-async")
 def load_async(variant: str | Variant) -> Harness:
     """As load-hit, with the request parked until every rank loaded."""
-    h = Harness(ConnectorConfig(block_size=4, world_size=2), variant, num_blocks=32)
-    h.add("a", prompt(12))
-    h.settle()
-    h.add("b", prompt(12), lookup=True, load_async=True)
-    h.settle()
-    return h
+    return _stored_then_looked_up(variant, ConnectorConfig(block_size=4, world_size=2),
+                                  load_async=True)
 
 
 @scenario("load-evicted")
@@ -237,13 +240,8 @@ def load_evicted(variant: str | Variant) -> Harness:
     """The lookup hits, then every get fails (evicted meanwhile): the failed
     blocks must be reported so the engine recomputes them (S19)."""
     answers = ScriptedAnswers().when("get", None, lambda n, k: True, -704)
-    h = Harness(ConnectorConfig(block_size=4), variant, num_blocks=32,
-                store=MemoryStore(answers))
-    h.add("a", prompt(12))
-    h.settle()
-    h.add("b", prompt(12), lookup=True)
-    h.settle()
-    return h
+    return _stored_then_looked_up(variant, ConnectorConfig(block_size=4),
+                                  MemoryStore(answers))
 
 
 @scenario("lookup-partial-namespace")
@@ -251,13 +249,8 @@ def lookup_partial_namespace(variant: str | Variant) -> Harness:
     """Only rank 0's namespace holds the prompt (rank 1's puts failed); a
     lookup must not count it as a hit."""
     answers = ScriptedAnswers().when("put", 1, lambda n, k: True, -800)
-    h = Harness(ConnectorConfig(block_size=4, world_size=2), variant, num_blocks=32,
-                store=MemoryStore(answers))
-    h.add("a", prompt(12))
-    h.settle()
-    h.add("b", prompt(12), lookup=True)
-    h.settle()
-    return h
+    return _stored_then_looked_up(variant, ConnectorConfig(block_size=4, world_size=2),
+                                  MemoryStore(answers))
 
 
 @scenario("consumer-backfill")
