@@ -262,23 +262,20 @@ def _bench_size(store: MooncakeStore, raw: Any, buf: Any, size: int, keys_per_si
         lens = [[size]] * keys_per_size
         rates: dict[str, list[float]] = {"adapter_put": [], "raw_put": [], "adapter_get": [],
                                          "raw_get": []}
+        calls = {"adapter": (store.put, store.get),
+                 "raw": (raw.batch_put_from_multi_buffers, raw.batch_get_into_multi_buffers)}
         for repeat in range(repeats):
             # Alternate who goes first, so neither gains from the other's warm-up.
             for who in (("adapter", "raw") if repeat % 2 == 0 else ("raw", "adapter")):
+                put, get = calls[who]
                 keys = [f"bench-{uuid.uuid4().hex}-{i}" for i in range(keys_per_size)]
                 started = time.perf_counter()
-                if who == "adapter":
-                    codes = store.put(keys, ptrs, lens)
-                else:
-                    codes = raw.batch_put_from_multi_buffers(keys, ptrs, lens)
+                codes = put(keys, ptrs, lens)
                 put_s = time.perf_counter() - started
                 if any(c != 0 for c in codes):
                     raise RuntimeError(f"bench put failed: {set(codes)}")
                 started = time.perf_counter()
-                if who == "adapter":
-                    got = store.get(keys, ptrs, lens)
-                else:
-                    got = raw.batch_get_into_multi_buffers(keys, ptrs, lens)
+                got = get(keys, ptrs, lens)
                 get_s = time.perf_counter() - started
                 if any(g < 0 for g in got):
                     raise RuntimeError(f"bench get failed: {set(got)}")
