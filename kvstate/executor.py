@@ -100,7 +100,8 @@ class Executor:
         self.ledger = variant.ledger(len(config.groups))
         self.queue: deque[RankJob] = deque()
         self.pressure = PressureState.CLEAR
-        self.skipped: dict[int, RankRequest] = {}
+        # Keyed by the entry itself (identity hash), not id(): survives a copy.
+        self.skipped: dict[RankRequest, RankRequest] = {}
         self.retry_by_request: dict[str, tuple[int, tuple[int, ...], int]] = {}
         key_rank = variant.key_rank(rank)
         self.prefixes = [key_prefix(config, key_rank, g) for g in range(len(config.groups))]
@@ -116,7 +117,7 @@ class Executor:
         for gen in plan.preempted:
             entry = ledger.preempt(gen)
             if entry is not None:
-                self.skipped.pop(id(entry), None)
+                self.skipped.pop(entry, None)
         for gen in plan.finished:
             ledger.finish(gen)
         resolve = self.variant.metadata.resolve
@@ -127,7 +128,7 @@ class Executor:
             job.state = JOB.fire((meta.job_id, self.rank), job.state, _JE.ENQUEUE)
             self.queue.append(job)
         for entry in ledger.sweep():
-            self.skipped.pop(id(entry), None)
+            self.skipped.pop(entry, None)
         return [self._get_call(load) for load in plan.loads]
 
     def dequeue(self) -> RankJob | None:
@@ -162,7 +163,7 @@ class Executor:
         if self.pressure is PressureState.PRESSURED and entry.skipped_since is not None:
             if variant.skip_expired(entry.skipped_since, self.clock(), config.pressure_backoff):
                 entry.clear_skip(expired=True)
-                self.skipped.pop(id(entry), None)
+                self.skipped.pop(entry, None)
             else:
                 job.state = JOB.fire(key, job.state, _JE.SKIP_FOR_PRESSURE)
                 return self._report(job, entry)
@@ -243,7 +244,7 @@ class Executor:
             entry = self.ledger.live_entry(meta)
             if entry is not None:
                 entry.mark_skipped(self.clock())
-                self.skipped[id(entry)] = entry
+                self.skipped[entry] = entry
                 self._written(job, "skip", 1, entry)
         stored = [i for i, good in zip(idx, ok) if good]
         failed = [i for i, good in zip(idx, ok) if not good]

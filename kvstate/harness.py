@@ -70,7 +70,7 @@ class EngineRequest:
     __slots__ = (
         "req_id", "prompt", "tokens", "max_new_tokens", "computed", "blocks", "chain",
         "sent_hashes", "status", "resume", "pending_load", "load_async", "lookup",
-        "hit", "transferred",
+        "hit", "transferred", "token_seed",
     )
 
     def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
@@ -90,6 +90,7 @@ class EngineRequest:
         self.lookup = False
         self.hit: int | None = None  # lookup answer, once asked
         self.transferred = False  # prompt KV arrived from a prefill engine (P/D)
+        self.token_seed = req_id  # what decode tokens are derived from
 
 
 class Harness:
@@ -126,7 +127,7 @@ class Harness:
         self.log: list[Observation] = []
         self.times: list[float] = []  # the clock at each logged observation
         self.now = 0.0
-        self.clock = clock if clock is not None else (lambda: self.now)
+        self.clock = clock if clock is not None else self.virtual_now
         self.pool = BlockPool(num_blocks, self.observe)
         self.store = store if store is not None else MemoryStore()
         # Factories let another implementation of the same interfaces (your own
@@ -152,6 +153,12 @@ class Harness:
         self.last_finished: list[EngineRequest] = []
         self._load_reports: list[LoadReport] = []
 
+    def virtual_now(self) -> float:
+        """The default clock: one unit per engine step (a bound method rather
+        than a lambda so a harness can be pickled — the model checker copies
+        states that way)."""
+        return self.now
+
     # ------------------------------------------------------------------
 
     def observe(self, obs: Observation) -> None:
@@ -163,9 +170,13 @@ class Harness:
         self.monitor.observe(obs)
 
     def add(self, req_id: str, prompt: Sequence[int], max_new_tokens: int = 0, *,
-            lookup: bool = False, load_async: bool = False, transferred: bool = False) -> None:
+            lookup: bool = False, load_async: bool = False, transferred: bool = False,
+            token_seed: str | None = None) -> None:
         """A client submits a request (reusing ``req_id`` only once it finished).
-        ``transferred``: its prompt KV arrives directly from a prefill engine."""
+        ``transferred``: its prompt KV arrives directly from a prefill engine.
+        ``token_seed`` (default: the id) determines the decode tokens; two
+        requests with one seed generate the same text (the model checker's
+        interchangeable requests)."""
         old = self.requests.get(req_id)
         if old is not None:
             raise ValueError(f"request {req_id!r} is still {old.status}")
@@ -175,6 +186,8 @@ class Harness:
         req.lookup = lookup and not transferred
         req.load_async = load_async
         req.transferred = transferred
+        if token_seed is not None:
+            req.token_seed = token_seed
         self.requests[req_id] = req
         self.waiting.append(req)
 
@@ -419,7 +432,7 @@ class Harness:
                 self.pool.write(table[idx], digest)
         if req.computed >= len(req.prompt) and req.computed >= len(req.tokens):
             if len(req.tokens) - len(req.prompt) < req.max_new_tokens:
-                req.tokens.append(token_for(req.req_id, len(req.tokens)))
+                req.tokens.append(token_for(req.token_seed, len(req.tokens)))
 
     # ------------------------------------------------------------------
     # Loads.

@@ -225,6 +225,12 @@ class Monitor:
             for r in range(config.world_size) for g in range(len(config.groups))
         }
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The handler cache holds bound methods; a copy rebuilds it lazily.
+        state = self.__dict__.copy()
+        state["_handlers"] = {}
+        return state
+
     # ------------------------------------------------------------------
 
     def fail(self, invariant: str, message: str) -> None:

@@ -22,6 +22,11 @@ only at finish, until the request's jobs drain; preemption frees at once.
 ``NoPins`` (E0) never holds anything.
 
 All methods append block ids to the caller's ``pins``/``releases`` lists.
+
+Each pin or release of a batch of blocks fires the PIN machine once for the
+batch (the states are implied by the policy's own offsets and lists, so the
+machine is not stored): the table stays the single description of a pin's
+life, and coverage sees which of its transitions a run took.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvstate.records import NULL_BLOCK_ID
+from kvstate.tables import PIN, PinEvent, PinState
 from kvstate.tracker import JobBook, Tracker
+
+_PINNED = PinState.PINNED
 
 
 def _blocks(tracker: Tracker, first: int, last: int) -> list[int]:
@@ -80,18 +88,22 @@ class IncrementalPins(PinPolicy):
     ) -> None:
         upto = token_len // block_size
         if upto > tracker.pinned_upto:
+            PIN.fire((tracker.gen_key, tracker.pinned_upto), PinState.UNPINNED, PinEvent.PIN)
             pins.extend(_blocks(tracker, tracker.pinned_upto, upto))
             tracker.pinned_upto = upto
 
     def on_report(self, tracker: Tracker, block_size: int, releases: list[int]) -> None:
         upto = min(min(tracker.rank_confirmed) // block_size, tracker.pinned_upto)
         if upto > tracker.released_upto:
+            PIN.fire((tracker.gen_key, tracker.released_upto), _PINNED,
+                     PinEvent.CONFIRMED_BY_ALL_RANKS)
             # Tail first, as vLLM frees: the tail is the least likely to be shared.
             releases.extend(reversed(_blocks(tracker, tracker.released_upto, upto)))
             tracker.released_upto = upto
 
     def on_drained(self, tracker: Tracker, releases: list[int]) -> None:
         if tracker.pinned_upto > tracker.released_upto:
+            PIN.fire((tracker.gen_key, tracker.released_upto), _PINNED, PinEvent.UNREADABLE)
             releases.extend(
                 reversed(_blocks(tracker, tracker.released_upto, tracker.pinned_upto))
             )
@@ -105,9 +117,12 @@ class PerJobPins(PinPolicy):
         self, tracker: Tracker, book: JobBook, token_len: int, block_size: int, pins: list[int]
     ) -> None:
         book.pinned = _blocks(tracker, 0, max(len(t) for t in tracker.block_ids))
+        PIN.fire(book.job_id, PinState.UNPINNED, PinEvent.PIN)
         pins.extend(book.pinned)
 
     def on_job_released(self, book: JobBook, releases: list[int]) -> None:
+        if book.pinned:
+            PIN.fire(book.job_id, _PINNED, PinEvent.CONFIRMED_BY_ALL_RANKS)
         releases.extend(reversed(book.pinned))
         book.pinned = []
 
@@ -121,6 +136,9 @@ class PreemptionDropsPins(PerJobPins):
     ) -> None:
         if reason == "preempted":
             for book in books:
+                if book.pinned:
+                    # The mutant's bug: released while ranks may still read them.
+                    PIN.fire(book.job_id, _PINNED, PinEvent.UNREADABLE)
                 releases.extend(reversed(book.pinned))
                 book.pinned = []
 
@@ -134,8 +152,11 @@ class DelayedFreeAtFinish(PinPolicy):
     ) -> None:
         if reason == "finished" and tracker.outstanding:
             tracker.delayed = _blocks(tracker, 0, max(len(t) for t in tracker.block_ids))
+            PIN.fire(tracker.gen_key, PinState.UNPINNED, PinEvent.PIN)
             pins.extend(tracker.delayed)
 
     def on_drained(self, tracker: Tracker, releases: list[int]) -> None:
+        if tracker.delayed:
+            PIN.fire(tracker.gen_key, _PINNED, PinEvent.UNREADABLE)
         releases.extend(reversed(tracker.delayed))
         tracker.delayed = []

@@ -48,7 +48,7 @@ from kvstate.records import (
     Settlement,
     Violation,
 )
-from kvstate.tables import REQUEST, RequestEvent, RequestState
+from kvstate.tables import JOB, REQUEST, JobEvent, JobState, RequestEvent, RequestState
 from kvstate.tracker import JobBook, Tracker
 from kvstate.variants import KVSTATE, Variant
 
@@ -453,6 +453,9 @@ class Planner:
                     published.extend(ready)
                     published_by.extend([tracker.gen_key] * len(ready))
             if len(book.ranks) == world:
+                # The job's last rank reported: the job machine's final step, taken
+                # once for the job (the ranks' copies each ended at REPORTED).
+                JOB.fire(report.job_id, JobState.REPORTED, JobEvent.RELEASE)
                 del self.jobs[report.job_id]
                 released.append(report.job_id)
                 pins.on_job_released(book, releases)

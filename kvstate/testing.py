@@ -66,6 +66,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         super().__init__()
         self.rules_run = 0  # reported with a failure: the shrunk program's length
         self.answers: deque[int | str] = deque()
+        self.get_answers: deque[int] = deque()
         store = MemoryStore(self._answer)
         self.h = Harness(self.config, self.variant, num_blocks=self.num_blocks, store=store,
                          token_budget=16, auto_preempt=True,
@@ -74,19 +75,27 @@ class ConnectorMachine(RuleBasedStateMachine):
 
     # The store answers puts from a script the rules fill.
     def _answer(self, op: str, rank: int, key: str) -> int | BaseException:
+        if op == "get" and self.get_answers:
+            return self.get_answers.popleft()
         if op != "put" or not self.answers:
             return 0
         answer = self.answers.popleft()
         return StoreRaised("scripted") if answer == "raise" else int(answer)
 
     @rule(target=requests, req_id=st.sampled_from(("a", "b", "c")),
-          length=st.integers(1, 14), salt=st.integers(0, 3), decode=st.integers(0, 6))
-    def admit(self, req_id: str, length: int, salt: int, decode: int) -> Any:
+          length=st.integers(1, 14), salt=st.integers(0, 3), decode=st.integers(0, 6),
+          load_async=st.booleans())
+    def admit(self, req_id: str, length: int, salt: int, decode: int,
+              load_async: bool) -> Any:
+        """Salt 0 looks the store up (and may load asynchronously); on a decode
+        node (kv_consumer) salt 1 is a request whose prompt KV was transferred
+        from a prefill node."""
         self.rules_run += 1
         if req_id in self.h.requests:
             return multiple()
         prompt = [(salt * 7 + i) % 11 for i in range(length)]  # small vocabulary: shared prefixes
-        self.h.add(req_id, prompt, decode, lookup=salt == 0)
+        self.h.add(req_id, prompt, decode, lookup=salt == 0, load_async=load_async,
+                   transferred=salt == 1 and self.config.is_consumer)
         return req_id
 
     @rule()
@@ -114,6 +123,11 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.rules_run += 1
         self.answers.append(answer)
 
+    @rule(code=st.sampled_from((-800, -1)))
+    def store_fails_next_get(self, code: int) -> None:
+        self.rules_run += 1
+        self.get_answers.append(code)
+
     @rule()
     def evict(self) -> None:
         self.rules_run += 1
@@ -127,6 +141,7 @@ class ConnectorMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not self.h.monitor.findings:
             self.answers.clear()
+            self.get_answers.clear()
             self.h.settle(max_steps=400)
             self._judge()
 

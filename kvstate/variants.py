@@ -356,6 +356,13 @@ class Variant:
     # forever (REFERENCE.md §6, S6); seconds of the driver's clock.
     call_timeout: float | None = 5.0
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A registered variant pickles as its name (its policies are module
+        # functions anyway); an ad-hoc one field by field.
+        if VARIANTS.get(self.name) is self:
+            return get_variant, (self.name,)
+        return Variant, tuple(getattr(self, f.name) for f in attrs.fields(Variant))
+
 
 KVSTATE = Variant(
     name="kvstate",

@@ -412,3 +412,136 @@ def bench_variants(trials: int = 5, budget: float = 60.0) -> dict[str, Any]:
                      "median_seconds_to_find": round(statistics.median(times), 3)
                      if times else None}
     return out
+
+
+# ---------------------------------------------------------------------------
+# Bug-finding power: every variant against the three tools.
+
+# Model-checker scopes in the order they are tried (small and cheap first).
+TOOL_SCOPES = ("tiny", "default", "decode", "mla", "pd", "churn", "twins")
+
+
+def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0,
+                mc_budget: float = 60.0, out_dir: str = ".",
+                progress: Any = None) -> dict[str, Any]:
+    """Per variant and tool: found or not, the invariant, seconds to find,
+    and the counterexample's length — the simulator's in observations (not
+    shrunk), Hypothesis's CI profile in rules after shrinking, the model
+    checker's in actions (shortest, breadth-first). Each tool stops at its
+    first violation; ``kvstate`` itself must survive all three."""
+    from kvstate.variants import VARIANTS
+    from sim.campaign import campaign
+    from sim.fuzz import fuzz_ci
+    from sim.modelcheck import SCOPES, check
+
+    out: dict[str, Any] = {}
+    for name in protocols or list(VARIANTS):
+        row: dict[str, Any] = {}
+        c = campaign(name, budget=sim_budget, stop_when_found=True)
+        if c.first_found:
+            inv = min(c.first_found, key=lambda k: c.first_found[k])
+            row["sim"] = {"found": inv, "seconds": c.first_found[inv],
+                          "length": c.first_index[inv], "unit": "observations"}
+        else:
+            row["sim"] = {"found": None, "seconds": c.seconds, "runs": c.runs}
+        f = fuzz_ci(name, out_dir=out_dir)
+        row["hypothesis"] = ({"found": f.invariant, "seconds": f.seconds, "length": f.rules,
+                              "unit": "rules", "profile": f.profile} if not f.ok
+                             else {"found": None, "seconds": f.seconds})
+        spent = 0.0
+        row["modelcheck"] = {"found": None, "seconds": 0.0, "scopes": []}
+        for scope in TOOL_SCOPES:
+            r = check(SCOPES[scope], name, budget=mc_budget, out_dir=out_dir)
+            spent += r.seconds
+            row["modelcheck"]["scopes"].append(
+                {"scope": scope, "states": r.states, "exhaustive": r.exhaustive})
+            if r.violation is not None:
+                row["modelcheck"].update(found=r.violation.invariant, scope=scope,
+                                         length=len(r.violation.actions), unit="actions",
+                                         states=r.states, trace=r.violation.trace)
+                break
+        row["modelcheck"]["seconds"] = round(spent, 3)
+        out[name] = row
+        if progress is not None:
+            progress(name, row)
+    return out
+
+
+def format_tools(report: dict[str, Any]) -> str:
+    rows = [["variant", "simulator", "hypothesis (CI profile)", "model checker"]]
+    for name, row in report.items():
+        cells = [name]
+        for tool in ("sim", "hypothesis", "modelcheck"):
+            r = row[tool]
+            if r["found"] is None:
+                cells.append(f"not found ({r['seconds']:.1f} s)")
+            else:
+                where = f" [{r['scope']}]" if tool == "modelcheck" else (
+                    f" [{r['profile']}]" if tool == "hypothesis" and r["profile"] != "both"
+                    else "")
+                cells.append(f"{r['found']} {r['seconds']:.1f} s, {r['length']} "
+                             f"{r['unit']}{where}")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def bench_hypothesis(examples: int = 100, steps: int = 40) -> dict[str, Any]:
+    """Rule steps per second of the connector machine against a trivial
+    stateful machine (one counter, two rules, one invariant) under the same
+    settings in the same run: the ratio is the cost of the model per step,
+    over what Hypothesis itself costs."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import (
+        RuleBasedStateMachine,
+        invariant,
+        rule,
+        run_state_machine_as_test,
+    )
+
+    from sim.fuzz import machine_for
+
+    class Trivial(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+            self.rules_run = 0
+            Trivial.instances.append(self)
+
+        instances: list[Any] = []
+
+        @rule()
+        def up(self) -> None:
+            self.n += 1
+            self.rules_run += 1
+
+        @rule()
+        def down(self) -> None:
+            self.n -= 1
+            self.rules_run += 1
+
+        @invariant()
+        def bounded(self) -> None:
+            assert abs(self.n) <= 10_000
+
+    base = machine_for("kvstate")
+
+    class Connector(base):  # type: ignore[misc, valid-type]
+        instances: list[Any] = []
+
+        def __init__(self) -> None:
+            super().__init__()
+            Connector.instances.append(self)
+
+    out: dict[str, Any] = {}
+    for label, machine in (("trivial", Trivial), ("connector", Connector)):
+        started = time.perf_counter()
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True,
+            database=None, suppress_health_check=list(HealthCheck)))
+        seconds = time.perf_counter() - started
+        done = sum(m.rules_run for m in machine.instances)
+        out[f"{label} rule steps"] = done
+        out[f"{label} steps/s"] = round(done / seconds)
+    out["connector / trivial"] = round(out["connector steps/s"] / out["trivial steps/s"], 3)
+    return out

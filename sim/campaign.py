@@ -30,6 +30,9 @@ class CampaignResult:
     counts: dict[str, int]
     fired: dict[str, int]
     never_fired: list[str]
+    # Observation index at which each invariant first broke, in the run that
+    # found it: the length of the simulator's (unshrunk) counterexample.
+    first_index: dict[str, int] = attrs.Factory(dict)
 
     @property
     def ok(self) -> bool:
@@ -50,6 +53,7 @@ def campaign(
     started = time.perf_counter()
     first_found: dict[str, float] = {}
     first_command: dict[str, str] = {}
+    first_index: dict[str, int] = {}
     counts: Counter[str] = Counter()
     fired: Counter[str] = Counter()
     runs = 0
@@ -72,6 +76,8 @@ def campaign(
             if invariant not in first_found:
                 first_found[invariant] = round(time.perf_counter() - started, 3)
                 first_command[invariant] = options.command()
+                first_index[invariant] = min(
+                    f.event_index for _, f in result.findings if f.invariant == invariant)
         if progress is not None:
             progress(f"{protocol}: {runs} runs, {time.perf_counter() - started:.1f}s, "
                      f"found {sorted(first_found) or 'nothing'}")
@@ -80,7 +86,7 @@ def campaign(
     configured = base.faults
     return CampaignResult(protocol, runs, round(time.perf_counter() - started, 3), first_found,
                           first_command, dict(counts), dict(fired),
-                          [s for s in configured if s in SITES and not fired.get(s)])
+                          [s for s in configured if s in SITES and not fired.get(s)], first_index)
 
 
 def summary(result: CampaignResult) -> dict[str, Any]:

@@ -131,16 +131,20 @@ def cmd_diagram(args: argparse.Namespace) -> int:
     if args.machine not in MACHINES_BY_NAME:
         raise UsageError(f"unknown machine {args.machine!r}; known: {', '.join(MACHINES_BY_NAME)}")
     missing: list[str] = []
+    machine = MACHINES_BY_NAME[args.machine]
     if args.coverage:
-        if args.machine != "job":
-            raise UsageError("coverage from traces is derived for the job machine only")
-        from sim.coverage import job_coverage, unvisited
+        from kvstate.coverage import summarize
+        from sim.coverage import CoverageError, trace_coverage
 
-        seen = job_coverage(args.coverage)
-        text = to_mermaid(MACHINES_BY_NAME["job"], coverage=seen)
-        missing = [f"{s.name} --{e.name.lower()}-->" for s, e in unvisited(seen)]
+        try:
+            cov = trace_coverage(args.coverage)
+        except CoverageError as exc:
+            raise UsageError(str(exc)) from None
+        text = to_mermaid(machine, coverage=cov.pairs(machine))
+        (row,) = summarize(cov, [machine])
+        missing = [f"{s} --{e.lower()}-->" for s, e in row.unseen]
     else:
-        text = to_mermaid(MACHINES_BY_NAME[args.machine])
+        text = to_mermaid(machine)
     if args.json:
         print(json.dumps({"ok": True, "violations": [], "mermaid": text, "unvisited": missing}))
     else:
@@ -148,6 +152,89 @@ def cmd_diagram(args: argparse.Namespace) -> int:
         for line in missing:
             print(f"%% never seen: {line}")
     return 0
+
+
+def cmd_coverage(args: argparse.Namespace) -> int:
+    from kvstate.coverage import format_table, summarize
+    from sim.coverage import CoverageError, trace_coverage
+
+    try:
+        cov = trace_coverage(args.traces)
+    except CoverageError as exc:
+        raise UsageError(str(exc)) from None
+    rows = summarize(cov)
+    if args.json:
+        print(json.dumps({"ok": True, "violations": [], "machines": [
+            {"machine": r.machine, "entries": r.entries, "seen": r.seen,
+             "unseen": [list(p) for p in r.unseen], "guard_outcomes": r.guard_outcomes,
+             "guard_outcomes_seen": r.guard_outcomes_seen,
+             "unseen_guard_outcomes": list(r.unseen_guards)} for r in rows]}, sort_keys=True))
+        return 0
+    print(f"coverage of {len(args.traces)} trace(s), replayed through the tables")
+    print(format_table(rows))
+    return 0
+
+
+def cmd_modelcheck(args: argparse.Namespace) -> int:
+    from kvstate.coverage import Coverage, format_table, recording, summarize
+    from sim.modelcheck import SCOPES, check, format_action
+
+    names = list(SCOPES) if args.scope == "all" else [args.scope]
+    if any(n not in SCOPES for n in names):
+        raise UsageError(f"unknown scope {args.scope!r}; known: all, {', '.join(SCOPES)}")
+    protocols = args.protocol or ["kvstate"]
+    runs = []
+    cov = Coverage()
+    for protocol in protocols:
+        for name in names:
+            scope = SCOPES[name]
+            if not args.json:
+                print(scope.describe(), flush=True)
+            with recording(cov):
+                r = check(scope, protocol, budget=args.budget, max_states=args.max_states,
+                          reduce=not args.no_reduction, out_dir=args.out_dir)
+            runs.append(r)
+            if not args.json:
+                verdict = "exhaustive" if r.exhaustive else (
+                    "violation" if r.violation else "NOT exhaustive (budget)")
+                print(f"  {protocol}: {r.states} states, {r.transitions} transitions, depth "
+                      f"{r.depth}, {r.seconds:.1f} s, {r.states_per_second:.0f} states/s; "
+                      f"{verdict}")
+                if r.violation:
+                    v = r.violation
+                    print(f"  VIOLATION {v.invariant}: {v.message}")
+                    print(f"  shortest counterexample, {len(v.actions)} actions: "
+                          + "; ".join(map(format_action, v.actions)))
+                    if v.trace:
+                        print(f"  trace: {v.trace} (kvstate replay {v.trace})")
+    ok = all(r.ok for r in runs)
+    complete = all(r.exhaustive for r in runs)
+    rows = summarize(cov)
+    if args.json:
+        print(json.dumps({"ok": ok, "exhaustive": complete, "violations": [
+            {"invariant": r.violation.invariant, "event_index": -1,
+             "message": f"{r.protocol}/{r.scope}: {r.violation.message}",
+             "actions": [format_action(a) for a in r.violation.actions],
+             "trace": r.violation.trace} for r in runs if r.violation],
+            "runs": [{"protocol": r.protocol, "scope": r.scope, "states": r.states,
+                      "transitions": r.transitions, "depth": r.depth,
+                      "seconds": round(r.seconds, 3), "exhaustive": r.exhaustive,
+                      "states_per_second": round(r.states_per_second)} for r in runs],
+            "never_fired": {r.machine: [list(p) for p in r.unseen] for r in rows}},
+            sort_keys=True))
+    else:
+        print("\ntable entries fired during the exploration:")
+        print(format_table(rows, unseen=False))
+        if complete and ok:
+            print("\nspec smell: table entries no reachable state fires in "
+                  f"{'these scopes' if len(names) > 1 else 'this scope'} "
+                  "(unreachable here: a wider scope, or a table entry nothing can take):")
+            for r in rows:
+                for state, event in r.unseen:
+                    print(f"  {r.machine}: {state} --{event}-->")
+    if not ok:
+        return 1
+    return 0 if complete or not args.require_exhaustive else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -191,6 +278,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 rows.append([name, " ".join(row["found"]) or "-",
                              str(row.get("median_seconds_to_find", "-"))])
             print(_table(rows))
+    if "tools" in parts:
+        from sim.bench import bench_tools, format_tools
+
+        def show(name: str, row: dict[str, Any]) -> None:
+            if not args.json:
+                print(format_tools({name: row}).splitlines()[1], flush=True)
+
+        if not args.json:
+            print("bug-finding power: each variant against the simulator campaign, the "
+                  "Hypothesis CI profile and the model checker (first violation each)")
+        tools = bench_tools(args.tool_protocol, sim_budget=5 if args.quick else 30,
+                            mc_budget=10 if args.quick else 60, out_dir=args.out_dir,
+                            progress=show)
+        report["tools"] = tools
+        if not args.json:
+            print("\n" + format_tools(tools))
+    if "modelcheck" in parts:
+        from sim.modelcheck import SCOPES, check
+
+        r = check(SCOPES["tiny" if args.quick else "default"], "kvstate", out_dir=None)
+        report["modelcheck"] = {"scope": r.scope, "states": r.states,
+                                "transitions": r.transitions, "seconds": round(r.seconds, 2),
+                                "states_per_second": round(r.states_per_second),
+                                "exhaustive": r.exhaustive}
+        if not args.json:
+            print("model checker, kvstate:")
+            print(_table([[k, str(v)] for k, v in report["modelcheck"].items()]))
+    if "hypothesis" in parts:
+        from sim.bench import bench_hypothesis
+
+        report["hypothesis"] = bench_hypothesis(examples=20 if args.quick else 100)
+        if not args.json:
+            print("Hypothesis rule steps per second (same run, same settings):")
+            print(_table([[k, str(v)] for k, v in report["hypothesis"].items()]))
     if args.json:
         print(json.dumps({"ok": True, "violations": [], **report}, sort_keys=True))
     return 0
@@ -708,8 +829,13 @@ def build_parser() -> argparse.ArgumentParser:
     real.set_defaults(func=cmd_real)
 
     bench = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
-    bench.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants"),
+    bench.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants",
+                                                   "tools", "modelcheck", "hypothesis"),
                        help="what to measure (default: core sim)")
+    bench.add_argument("--tool-protocol", type=_protocol, action="append",
+                       help="for 'tools': only these variants (repeatable; default: all)")
+    bench.add_argument("--out-dir", default=".",
+                       help="for 'tools': where counterexample traces go")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     bench.add_argument("--memory-requests", type=_positive_int, nargs="+",
                        default=[10_000, 100_000])
@@ -724,7 +850,30 @@ def build_parser() -> argparse.ArgumentParser:
     diagram = sub.add_parser("diagram", help="print one machine's table as mermaid")
     diagram.add_argument("machine", help="request, job, pressure, skip, retry, pin, saved_mark")
     diagram.add_argument("--coverage", nargs="+", metavar="TRACE",
-                         help="colour the job machine by the transitions these traces reached")
+                         help="colour the machine by the transitions these traces fired")
+
+    cover = sub.add_parser("coverage", help="which table entries and guard outcomes traces "
+                           "exercised (all machines), and which they never did")
+    cover.add_argument("traces", nargs="+", metavar="TRACE")
+    cover.add_argument("--json", action="store_true")
+    cover.set_defaults(func=cmd_coverage)
+
+    mc = sub.add_parser("modelcheck", help="exhaustive breadth-first model checking of a "
+                        "small scope; shortest counterexample as a trace")
+    mc.add_argument("--scope", default="default",
+                    help="tiny, default, twins, mla, pd, large, or all (default: default)")
+    mc.add_argument("--protocol", type=_protocol, action="append",
+                    help="variant (repeatable; default: kvstate)")
+    mc.add_argument("--budget", type=_positive_float, default=None,
+                    help="stop after this many seconds (then not exhaustive)")
+    mc.add_argument("--max-states", type=_positive_int, default=None)
+    mc.add_argument("--no-reduction", action="store_true",
+                    help="no symmetry or counter reduction (for comparison)")
+    mc.add_argument("--require-exhaustive", action="store_true",
+                    help="exit 1 if a budget stopped the search")
+    mc.add_argument("--out-dir", default=".", help="where counterexample traces go")
+    mc.add_argument("--json", action="store_true")
+    mc.set_defaults(func=cmd_modelcheck)
     diagram.add_argument("--json", action="store_true")
     diagram.set_defaults(func=cmd_diagram)
     return parser

@@ -24,35 +24,59 @@ class FuzzResult:
     rules: int | None
     trace: str | None
     message: str | None
+    profile: str = "both"
 
     @property
     def ok(self) -> bool:
         return self.invariant is None
 
 
+# Engine shapes the machine runs in (the campaign varies the same ones): every
+# rank stores its own heads; MLA-style striding, each chunk stored by one rank;
+# a decode node of a P/D pair whose prompts arrive from a prefill node.
+PROFILES: dict[str, dict[str, Any]] = {
+    "both": {},
+    "striding": {"put_step": 2},
+    "consumer": {"role": "kv_consumer"},
+}
+
+# The CI profile: derandomized, so a test run is a fixed program set.
+CI_EXAMPLES, CI_STEPS = 60, 40
+
+
+def machine_for(protocol: str, profile: str = "both") -> Any:
+    from kvstate.testing import ConnectorMachine
+
+    if profile not in PROFILES:
+        raise ValueError(f"unknown fuzz profile {profile!r} (known: {', '.join(PROFILES)})")
+    config = attrs.evolve(ConnectorMachine.config, **PROFILES[profile])
+    return type(f"Fuzz_{protocol}_{profile}", (ConnectorMachine,),
+                {"variant": protocol, "config": config})
+
+
 def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 50,
-         out_dir: str = ".") -> FuzzResult:
+         out_dir: str = ".", profile: str = "both", derandomize: bool = False) -> FuzzResult:
+    """Rounds of ``examples`` programs until ``budget`` seconds are spent or an
+    invariant breaks. ``derandomize`` runs one fixed round (the CI profile)."""
     import os
 
     from hypothesis import HealthCheck, settings
     from hypothesis.errors import Flaky
 
-    from kvstate.testing import ConnectorMachine
-
     os.environ["KVSTATE_FUZZ_DIR"] = out_dir
-    machine: Any = type(f"Fuzz_{protocol}", (ConnectorMachine,), {"variant": protocol})
+    machine = machine_for(protocol, profile)
     started = time.perf_counter()
     rounds = 0
     from hypothesis.stateful import run_state_machine_as_test
 
-    while time.perf_counter() - started < budget:
+    while time.perf_counter() - started < budget and not (derandomize and rounds):
         rounds += 1
         try:
             # Hypothesis draws its own randomness here (a fuzzer, not a replay);
             # what it finds is reproducible through the trace it writes.
             run_state_machine_as_test(machine, settings=settings(
                 max_examples=examples, stateful_step_count=steps, deadline=None,
-                derandomize=False, database=None, print_blob=False,
+                derandomize=derandomize, database=None, print_blob=False,
                 suppress_health_check=list(HealthCheck)))
         except (AssertionError, Flaky) as exc:
             text = str(exc)
@@ -61,6 +85,22 @@ def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 
             return FuzzResult(protocol, rounds, round(time.perf_counter() - started, 3),
                               found.group(1) if found else "unknown",
                               int(found.group(2)) if found else None,
-                              trace.group(1) if trace else None, text.splitlines()[0])
+                              trace.group(1) if trace else None, text.splitlines()[0],
+                              profile)
     return FuzzResult(protocol, rounds, round(time.perf_counter() - started, 3), None, None,
-                      None, None)
+                      None, None, profile)
+
+
+def fuzz_ci(protocol: str, profiles: tuple[str, ...] = tuple(PROFILES),
+            out_dir: str = ".") -> FuzzResult:
+    """The CI profile in each engine shape until one finds a violation."""
+    started = time.perf_counter()
+    result = None
+    for profile in profiles:
+        result = fuzz(protocol, budget=float("inf"), examples=CI_EXAMPLES, steps=CI_STEPS,
+                      out_dir=out_dir, profile=profile, derandomize=True)
+        if not result.ok:
+            break
+    assert result is not None
+    result.seconds = round(time.perf_counter() - started, 3)
+    return result

@@ -208,16 +208,42 @@ def test_router_counts_orphans_and_prefix_hits() -> None:
     assert bad.figures["consumer_orphans_rejected"] > 0
 
 
-def test_job_coverage_from_traces_colours_the_diagram(capsys) -> None:
-    from kvstate.tables import JobEvent, JobState
-    from sim.coverage import job_coverage, unvisited
+def test_trace_coverage_replays_every_machine_and_colours_the_diagram(capsys) -> None:
+    from kvstate.tables import JOB, PIN, JobEvent, JobState, PinEvent, PinState
+    from sim.coverage import trace_coverage
 
-    seen = job_coverage(SCENARIO_TRACES)
-    assert (JobState.RUNNING, JobEvent.FOUND_STALE) in seen  # the stale job after reuse
-    assert (JobState.REPORTED, JobEvent.RELEASE) in seen
-    assert (JobState.PUTTING, JobEvent.PUT_FAILED) not in seen  # no failures scripted there
-    assert (JobState.PUTTING, JobEvent.PUT_FAILED) in unvisited(seen)
+    cov = trace_coverage(SCENARIO_TRACES)
+    job = cov.pairs(JOB)
+    assert (JobState.RUNNING, JobEvent.FOUND_STALE) in job  # the stale job after reuse
+    assert (JobState.REPORTED, JobEvent.RELEASE) in job
+    assert (JobState.PUTTING, JobEvent.PUT_FAILED) not in job  # no failures scripted there
+    assert (PinState.UNPINNED, PinEvent.PIN) in cov.pairs(PIN)
     assert main(["diagram", "job", "--coverage", *map(str, SCENARIO_TRACES)]) == 0
     out = capsys.readouterr().out
     assert "class STALE covered" in out and "never seen: PUTTING --put_failed-->" in out
-    assert main(["diagram", "pin", "--coverage", str(SCENARIO_TRACES[0])]) == 2
+    assert main(["diagram", "pin", "--coverage", *map(str, SCENARIO_TRACES)]) == 0
+    assert "class PINNED" in capsys.readouterr().out
+
+
+def test_coverage_command_lists_never_seen_entries_and_guard_outcomes(capsys) -> None:
+    assert main(["coverage", *map(str, SCENARIO_TRACES)]) == 0
+    out = capsys.readouterr().out
+    assert "machine" in out and "guard outcomes" in out
+    assert "never seen: job PUTTING --PUT_FAILED-->" in out
+    assert "guard outcome never seen: job PUTTING: PUT_FAILED guard true" in out
+    assert main(["coverage", "--json", str(SCENARIO_TRACES[0])]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    by_name = {m["machine"]: m for m in doc["machines"]}
+    assert set(by_name) == {"request", "job", "pressure", "skip", "retry", "pin", "saved_mark"}
+    assert 0 < by_name["job"]["seen"] < by_name["job"]["entries"]
+
+
+def test_coverage_of_a_trace_that_does_not_replay_is_refused(tmp_path, capsys) -> None:
+    lines = SCENARIO_TRACES[0].read_text().splitlines()
+    # Drop one recorded output: replay then diverges, and coverage says so.
+    cut = next(i for i, line in enumerate(lines) if '"type":"JobFinished"' in line)
+    bad = tmp_path / "cut.jsonl"
+    bad.write_text("\n".join(lines[:cut] + lines[cut + 1:]) + "\n")
+    assert main(["coverage", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "cut.jsonl" in err and "replay diverged" in err

@@ -1,0 +1,632 @@
+"""``kvstate modelcheck``: exhaustive breadth-first exploration of a small scope.
+
+Theory of operation
+-------------------
+A *state* is the whole synchronous harness (`kvstate.harness.Harness`: engine
+model, planner, every rank executor, block pool, store, invariant monitor) plus
+the model checker's own budget counters (which scope requests are still to be
+admitted, faults, evictions and preemptions left). A *transition* is one
+action the environment may take next:
+
+* ``admit i``      a client submits scope request ``i`` (an id is reused only
+                   after its earlier request finished);
+* ``step``         one engine step (scheduling, planning, loads, the forward
+                   pass; finished requests retire); ``step get-fails`` the same
+                   with every store read in it failing;
+* ``preempt r``    a step that preempts running request ``r``;
+* ``abort r``      a step in which the client aborts ``r``;
+* ``rank k A``     rank ``k`` performs its next store call (or dequeues a job)
+                   and the store answers ``A``: ``ok``, ``-200`` (every key of
+                   the batch), ``-800`` (the first key fails, the rest are
+                   stored: a partial failure), ``raise`` (the call raises);
+                   an existence check answers ``ok`` or ``raise``;
+* ``evict K``      the store drops stored key ``K``.
+
+Failures, evictions, preemptions and aborts are bounded per path by the scope
+(the usual bounded-fault model); everything else is exhaustive. The
+catalogue's monitor sees every observation, so a transition that breaks a
+safety invariant is a violation; a state with nothing left to do (or nothing
+but no-op steps) gets the quiescence check, which is where leaked pins, ledger
+entries and unsettled jobs show.
+
+States are copied with ``pickle`` (C speed; every core object is plain data)
+and identified by a canonical digest computed by `CanonicalPickler`:
+
+* **Block-id symmetry.** Block ids are handed out as `BlockId` (an ``int``
+  subclass), so the pickler can rename them in order of first appearance; the
+  pool is written last, per renamed id, its free queue in order. Two states
+  that differ only by which physical blocks hold what get one digest.
+* **Request-id symmetry.** Scope requests with the same program (prompt, decode
+  length, lookup) and no id reuse are interchangeable; their ids are handed out
+  as `RequestName` and renamed the same way, and decode tokens are derived from
+  the program, not the id (``token_seed``), so the renaming is a symmetry.
+* **Counter abstraction.** Job ids, generations, planner step numbers and the
+  monitor's observation index only ever grow and are only compared or tested
+  for equality (data independence), so each is an `Ordinal` subclass and is
+  written as its rank among the values present. Paths of different lengths
+  that reach the same situation merge.
+* **Excluded fields.** Pure statistics and caches (counters, the monitor's
+  handler cache, the harness's clock) are left out; they never influence a
+  decision. Time is the harness's step count (`Tick`) with a backoff of one
+  step, renamed by order like the counters.
+
+The renaming is *sound* (equal digests imply states equal up to a renaming
+the code cannot observe) as long as the core never does arithmetic on these
+values beyond ``+ 1``; it is not complete (a dict filled in another order gives
+another digest), which only costs reduction. `tests/test_modelcheck.py`
+checks that the reduced and unreduced explorations find the same verdicts.
+
+Breadth-first order makes the first violation found a shortest one; it is
+replayed on a recording harness and written as a kvstate trace that
+``kvstate replay`` and ``kvstate check`` accept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvstate.block_pool import BlockPool
+from kvstate.config import ConnectorConfig, Role
+from kvstate.executor import Executor
+from kvstate.harness import Harness
+from kvstate.invariants import Monitor
+from kvstate.memory_store import MemoryStore, StoreRaised
+from kvstate.records import PutCall
+from kvstate.variants import get_variant
+
+# ---------------------------------------------------------------------------
+# Tagged values the canonical pickler renames.
+
+
+class BlockId(int):
+    """A block id handed out by the model checker's pool (symmetric)."""
+
+    __slots__ = ()
+
+
+class RequestName(str):
+    """A request id of an interchangeable scope request (symmetric)."""
+
+    __slots__ = ()
+
+
+class Ordinal(int):
+    """A monotone counter value: only its order among live values matters."""
+
+    __slots__ = ()
+
+    def __add__(self, other: object) -> Ordinal:
+        return type(self)(int(self) + int(other))  # type: ignore[call-overload]
+
+    __radd__ = __add__
+
+
+class JobNo(Ordinal):
+    __slots__ = ()
+
+
+class GenerationNo(Ordinal):
+    __slots__ = ()
+
+
+class StepNo(Ordinal):
+    __slots__ = ()
+
+
+class ObservationNo(Ordinal):
+    __slots__ = ()
+
+
+class Tick(Ordinal):
+    """The harness clock (one tick per engine step). Pressure backoff is one
+    tick, and ``now - since >= 1`` is ``now > since`` on integers: an order
+    comparison, so ticks are renamed by rank like the counters."""
+
+    __slots__ = ()
+
+
+ORDINALS: tuple[type[Ordinal], ...] = (JobNo, GenerationNo, StepNo, ObservationNo, Tick)
+
+# Fields that are statistics or caches: they never decide anything, and keeping
+# them would make every path length a different state.
+EXCLUDED_FIELDS: dict[type, frozenset[str]] = {
+    Monitor: frozenset({"findings", "_handlers", "config", "enabled", "_prefixes"}),
+    MemoryStore: frozenset({"puts", "exists_keys", "answer"}),
+    Executor: frozenset({"clock", "observer", "config", "variant", "prefixes", "residues"}),
+}
+
+
+def _field_state(obj: Any, excluded: frozenset[str]) -> tuple[tuple[str, Any], ...]:
+    names = getattr(obj, "__dict__", None)
+    if names is not None:
+        return tuple((k, v) for k, v in names.items() if k not in excluded)
+    return tuple((k, getattr(obj, k)) for k in type(obj).__slots__ if k not in excluded)
+
+
+class CanonicalPickler(pickle.Pickler):
+    """Pickles a state with the renamings of the module docstring. Only ever
+    dumped to compute a digest; never loaded."""
+
+    def __init__(self, file: io.BytesIO, constants: dict[int, str]) -> None:
+        super().__init__(file, protocol=5)
+        self.constants = constants  # id(object) -> tag: config, variant, harness, pool
+        self.blocks: dict[int, int] = {}
+        self.names: dict[str, int] = {}
+        self.ordinals: dict[type, dict[int, int]] = {cls: {} for cls in ORDINALS}
+
+    def block(self, block: int) -> int:
+        n = self.blocks.get(block)
+        if n is None:
+            n = self.blocks[block] = len(self.blocks)
+        return n
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is BlockId:
+            return int, (self.block(obj),)
+        if kind is RequestName:
+            n = self.names.get(obj)
+            if n is None:
+                n = self.names[obj] = len(self.names)
+            return str, (f"r{n}",)
+        seen = self.ordinals.get(kind)
+        if seen is not None:
+            n = seen.get(obj)
+            if n is None:
+                n = seen[obj] = len(seen)
+            return int, (n,)
+        tag = self.constants.get(id(obj))
+        if tag is not None:
+            return str, (tag,)
+        excluded = EXCLUDED_FIELDS.get(kind)
+        if excluded is not None:
+            return tuple, (_field_state(obj, excluded),)
+        return NotImplemented
+
+    def order(self) -> tuple[tuple[int, ...], ...]:
+        """Per ordinal class, first-appearance numbers sorted by value: with
+        the renamed values this fixes the relative order, nothing more."""
+        return tuple(tuple(n for _, n in sorted(seen.items())) for seen in self.ordinals.values())
+
+
+# ---------------------------------------------------------------------------
+# Scopes.
+
+
+@attrs.frozen
+class ScopeRequest:
+    name: str
+    prompt: tuple[int, ...]
+    decode: int = 0
+    lookup: bool = True
+    transferred: bool = False
+
+
+@attrs.frozen
+class Scope:
+    name: str
+    description: str
+    requests: tuple[ScopeRequest, ...]
+    world_size: int = 2
+    num_blocks: int = 6
+    block_size: int = 2
+    token_budget: int = 4
+    put_step: int = 1
+    role: Role = Role.BOTH
+    faults: int = 1  # failed/raising store answers per path
+    evictions: int = 1
+    preemptions: int = 1
+    aborts: int = 0
+    put_answers: tuple[str, ...] = ("ok", "-200", "-800", "raise")
+
+    def config(self) -> ConnectorConfig:
+        return ConnectorConfig(
+            role=self.role, block_size=self.block_size, world_size=self.world_size,
+            put_step=self.put_step, save_decode_cache=True, enable_kv_events=True,
+            pressure_backoff=1.0)
+
+    def describe(self) -> str:
+        reqs = ", ".join(
+            f"{r.name}: {len(r.prompt)}-token prompt + {r.decode} decode"
+            f"{' (lookup)' if r.lookup else ''}{' (P/D transfer)' if r.transferred else ''}"
+            for r in self.requests)
+        return (f"{self.name}: {self.description}; {self.world_size} ranks, put_step "
+                f"{self.put_step}, {self.num_blocks} blocks of {self.block_size} tokens, "
+                f"budget {self.token_budget} tokens/step; requests [{reqs}]; at most "
+                f"{self.faults} store fault(s), {self.evictions} eviction(s), "
+                f"{self.preemptions} preemption(s), {self.aborts} abort(s) per path")
+
+
+# The first request is reused by id once it finished; the two prompts share
+# their first block, so the reuse hits the store on lookup and its stale jobs
+# (if any survive) would write into the new generation's namespace. (A request
+# with ``decode=1`` finishes with the token its prefill sampled: no decode step.)
+_A1 = ScopeRequest("a", (1, 2, 3), decode=1)
+_A2 = ScopeRequest("a", (1, 2), decode=0)
+_B = ScopeRequest("b", (1, 2, 4), decode=2)
+
+# State counts are measured (`kvstate modelcheck --scope NAME`); every save job
+# multiplies the space by the interleavings of its 2 x 3 rank calls with the
+# engine, so the 2-rank scopes are kept to a few jobs. The default must stay
+# exhaustive within 60 s on the 2-core development machine (~900 states/s).
+SCOPES: dict[str, Scope] = {s.name: s for s in (
+    Scope("tiny", "one request on one rank (a smoke test)",
+          (ScopeRequest("a", (1, 2, 3), decode=2),), world_size=1, num_blocks=4),
+    Scope("default", "one id used twice (reuse after finish, shared first block) on 2 ranks, "
+          "every store answer with one fault per path",
+          (_A1, _A2), faults=1, evictions=0, preemptions=0),
+    Scope("churn", "the default requests with one eviction and one preemption per path and "
+          "no store faults",
+          (_A1, _A2), faults=0, evictions=1, preemptions=1),
+    Scope("decode", "decode-phase saves across a preemption and an id reuse on one rank, a "
+          "fault, an eviction",
+          (ScopeRequest("a", (1, 2, 3), decode=4), ScopeRequest("a", (1, 2), decode=2)),
+          world_size=1, num_blocks=5, faults=1, evictions=1, preemptions=1),
+    Scope("twins", "two interchangeable requests (request-id symmetry) on 2 ranks",
+          (ScopeRequest("a", (1, 2, 3), decode=1), ScopeRequest("b", (1, 2, 3), decode=1)),
+          faults=0, evictions=0, preemptions=0),
+    Scope("mla", "put_step 2: each chunk stored by one rank (striding), one fault",
+          (ScopeRequest("a", (1, 2, 3, 4, 5), decode=1),), put_step=2, num_blocks=5,
+          evictions=0, preemptions=0),
+    Scope("pd", "a decode node (kv_consumer) whose prompt KV was transferred, one fault",
+          (ScopeRequest("a", (1, 2, 3, 4, 5), decode=2, lookup=False, transferred=True),),
+          role=Role.CONSUMER, faults=1, evictions=0, preemptions=0),
+    Scope("large", "two ids, one reused, a decode step, a fault, an eviction, a preemption "
+          "and an abort per path (millions of states: bug hunting with --budget)",
+          (_A1, _B, _A2), faults=1, evictions=1, preemptions=1, aborts=1),
+)}
+
+
+# ---------------------------------------------------------------------------
+# The explored system.
+
+
+class ScriptedAnswers:
+    """The store's answers for the next call (set by the action being taken).
+    A class, not a closure, so the harness stays picklable."""
+
+    __slots__ = ("put", "get", "exists", "used")
+
+    def __init__(self) -> None:
+        self.put = "ok"
+        self.get = "ok"
+        self.exists = "ok"
+        self.used = False
+
+    def reset(self) -> None:
+        self.put = self.get = self.exists = "ok"
+        self.used = False
+
+    def __call__(self, op: str, rank: int, key: str) -> int | BaseException:
+        answer = self.put if op == "put" else self.get if op == "get" else self.exists
+        if answer == "ok":
+            return 0
+        self.used = True
+        if answer == "raise":
+            return StoreRaised("scripted by the model checker")
+        if answer == "-800":  # partial failure: only the first key of the call fails
+            if op == "put":
+                self.put = "ok"
+            return -800
+        return int(answer)
+
+
+@attrs.define
+class System:
+    """One state: the harness plus the model checker's budgets."""
+
+    h: Harness
+    answers: ScriptedAnswers
+    admitted: tuple[bool, ...]
+    faults: int
+    evictions: int
+    preemptions: int
+    aborts: int
+
+
+def initial(scope: Scope, variant: str, *, reduce: bool = True) -> System:
+    config = scope.config()
+    answers = ScriptedAnswers()
+    h = Harness(config, variant, num_blocks=scope.num_blocks, store=MemoryStore(answers),
+                token_budget=scope.token_budget, record=False, keep_finished=False,
+                auto_preempt=True)
+    if reduce:
+        h.now = Tick(0)
+        h.pool.free = deque(BlockId(b) for b in h.pool.free)
+        h.planner._next_job_id = JobNo(h.planner._next_job_id)
+        h.planner._next_generation = GenerationNo(h.planner._next_generation)
+        h.planner._step = StepNo(h.planner._step)
+        h.monitor.index = ObservationNo(h.monitor.index)
+        h.monitor.last_job_id = JobNo(h.monitor.last_job_id)
+    return System(h, answers, (False,) * len(scope.requests), scope.faults, scope.evictions,
+                  scope.preemptions, scope.aborts)
+
+
+def _symmetric(scope: Scope) -> set[int]:
+    """Indexes of scope requests that are interchangeable (same program, an id
+    used by no other scope request)."""
+    names = [r.name for r in scope.requests]
+    programs: dict[tuple[Any, ...], list[int]] = {}
+    for i, r in enumerate(scope.requests):
+        if names.count(r.name) == 1:
+            programs.setdefault((r.prompt, r.decode, r.lookup, r.transferred), []).append(i)
+    return {i for group in programs.values() if len(group) > 1 for i in group}
+
+
+Action = tuple[Any, ...]
+
+
+def enabled(scope: Scope, s: System) -> list[Action]:
+    h = s.h
+    out: list[Action] = []
+    for i, req in enumerate(scope.requests):
+        if s.admitted[i]:
+            continue
+        earlier = [j for j in range(i) if scope.requests[j].name == req.name]
+        if all(s.admitted[j] for j in earlier) and req.name not in h.requests:
+            out.append(("admit", i))
+    if h.requests or h.outbox:
+        out.append(("step",))
+        if s.faults and any(r.lookup and r.status != "running" for r in h.requests.values()):
+            out.append(("step", "get-fails"))
+        if s.preemptions:
+            out += [("preempt", str(r.req_id)) for r in h.running]
+        if s.aborts:
+            out += [("abort", str(name)) for name in h.requests]
+    for rank, executor in enumerate(h.ranks):
+        current = h.current.get(rank)
+        if current is None:
+            if executor.queue:
+                out.append(("rank", rank, "ok"))
+            continue
+        answers = scope.put_answers if isinstance(current[1], PutCall) else ("ok", "raise")
+        out += [("rank", rank, a) for a in answers if a == "ok" or s.faults]
+    if s.evictions:
+        out += [("evict", key) for key in sorted(h.store.objects)]
+    return out
+
+
+def apply(scope: Scope, s: System, action: Action, symmetric: set[int]) -> None:
+    h = s.h
+    kind = action[0]
+    s.answers.reset()
+    if kind == "admit":
+        i = action[1]
+        req = scope.requests[i]
+        name = RequestName(req.name) if i in symmetric else req.name
+        h.add(name, req.prompt, req.decode, lookup=req.lookup, transferred=req.transferred,
+              token_seed=f"{req.prompt}/{req.decode}")
+        s.admitted = s.admitted[:i] + (True,) + s.admitted[i + 1:]
+    elif kind == "step":
+        if len(action) > 1:
+            s.answers.get = "-800"
+        h.step()
+        if s.answers.used:
+            s.faults -= 1
+    elif kind == "preempt":
+        h.step(preempt=[action[1]])
+        s.preemptions -= 1
+    elif kind == "abort":
+        h.step(finish=[action[1]])
+        s.aborts -= 1
+    elif kind == "rank":
+        _, rank, answer = action
+        s.answers.put = s.answers.exists = answer
+        h.advance(rank)
+        if s.answers.used:
+            s.faults -= 1
+    elif kind == "evict":
+        h.evict(action[1])
+        s.evictions -= 1
+    else:  # pragma: no cover - actions come from `enabled`
+        raise ValueError(f"unknown model-checker action {action!r}")
+    s.answers.reset()
+
+
+def quiet(s: System) -> bool:
+    h = s.h
+    return not h.requests and not h.outbox and not h.current and not any(
+        e.queue for e in h.ranks) and all(s.admitted)
+
+
+def digest(s: System) -> bytes:
+    h = s.h
+    buf = io.BytesIO()
+    constants = {id(h): "harness", id(h.config): "config", id(h.variant): "variant",
+                 id(h.pool): "pool", id(s.answers): "answers", id(h.monitor.config): "config"}
+    p = CanonicalPickler(buf, constants)
+    p.dump((
+        tuple(h.requests.items()), tuple(r.req_id for r in h.running),
+        tuple(r.req_id for r in h.waiting), h.outbox, tuple(sorted(h.current.items())),
+        h.planner, h.ranks, h.store, h.monitor, h.now,
+        s.admitted, s.faults, s.evictions, s.preemptions, s.aborts,
+    ))
+    pool = h.pool
+    for block in pool.free:
+        p.block(block)
+    by_canon = sorted((n, b) for b, n in p.blocks.items())
+    p.dump((
+        tuple((pool.refs[b], pool.content[b]) for _, b in by_canon),
+        tuple(p.block(b) for b in pool.free),
+        p.order(),
+    ))
+    return hashlib.blake2b(buf.getvalue(), digest_size=16).digest()
+
+
+# ---------------------------------------------------------------------------
+# The search.
+
+
+@attrs.frozen
+class Violation:
+    invariant: str
+    message: str
+    actions: tuple[Action, ...]
+    trace: str | None
+
+
+@attrs.define
+class Result:
+    scope: str
+    protocol: str
+    states: int = 0
+    transitions: int = 0
+    depth: int = 0
+    seconds: float = 0.0
+    exhaustive: bool = False
+    quiet_states: int = 0
+    violation: Violation | None = None
+    coverage: dict[str, set[tuple[str, str]]] = attrs.Factory(dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    @property
+    def states_per_second(self) -> float:
+        return self.states / self.seconds if self.seconds else 0.0
+
+
+def _dumps(s: System) -> bytes:
+    return pickle.dumps(s, protocol=5)
+
+
+def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = None,
+          max_states: int | None = None, reduce: bool = True, out_dir: str | None = ".",
+          progress: Callable[[Result], None] | None = None) -> Result:
+    """Explore ``scope`` under ``protocol`` breadth-first; stop at the first
+    violation (which is then a shortest one), when every reachable state was
+    visited, or when ``budget`` seconds / ``max_states`` run out."""
+    get_variant(protocol)  # a clear error for an unknown name, before any work
+    symmetric = _symmetric(scope) if reduce else set()
+    result = Result(scope.name, protocol)
+    start = initial(scope, protocol, reduce=reduce)
+    key = _key(start, reduce)
+    parents: dict[bytes, tuple[bytes, Action] | None] = {key: None}
+    frontier: deque[tuple[bytes, bytes, int]] = deque([(key, _dumps(start), 0)])
+    seen_pairs: set[tuple[str, str, str]] = set()
+    started = time.perf_counter()
+    last_report = started
+    while frontier:
+        if budget is not None and time.perf_counter() - started > budget:
+            break
+        if max_states is not None and len(parents) >= max_states:
+            break
+        key, blob, depth = frontier.popleft()
+        result.depth = max(result.depth, depth)
+        s = pickle.loads(blob)
+        actions = enabled(scope, s)
+        moved = False
+        for n, action in enumerate(actions):
+            if n:
+                s = pickle.loads(blob)
+            s.h.monitor.findings.clear()
+            apply(scope, s, action, symmetric)
+            result.transitions += 1
+            if s.h.monitor.findings:
+                result.violation = _violation(scope, protocol, parents, key, action, s,
+                                              out_dir, reduce)
+                break
+            child = _key(s, reduce)
+            if child != key:
+                moved = True
+            if child not in parents:
+                parents[child] = (key, action)
+                frontier.append((child, _dumps(s), depth + 1))
+        if result.violation is not None:
+            break
+        if not moved:
+            # Nothing left but no-op steps: the liveness check at quiescence.
+            result.quiet_states += 1
+            s = pickle.loads(blob)
+            s.h.monitor.findings.clear()
+            s.h.quiesce()
+            if s.h.monitor.findings:
+                result.violation = _violation(scope, protocol, parents, key, ("quiesce",), s,
+                                              out_dir, reduce)
+                break
+        if progress is not None and time.perf_counter() - last_report > 5:
+            last_report = time.perf_counter()
+            result.states, result.seconds = len(parents), last_report - started
+            progress(result)
+    del seen_pairs
+    result.states = len(parents)
+    result.seconds = time.perf_counter() - started
+    result.exhaustive = not frontier and result.violation is None
+    return result
+
+
+def _key(s: System, reduce: bool) -> bytes:
+    if reduce:
+        return digest(s)
+    # Unreduced: the full state as pickled, only statistics left out.
+    buf = io.BytesIO()
+    h = s.h
+    constants = {id(h): "harness", id(h.config): "config", id(h.variant): "variant",
+                 id(s.answers): "answers", id(h.monitor.config): "config"}
+    p = CanonicalPickler(buf, constants)
+    p.dump((h.requests, [r.req_id for r in h.running], [r.req_id for r in h.waiting],
+            h.outbox, sorted(h.current.items()), h.planner, h.ranks, h.store, h.monitor,
+            h.now, h.pool.refs, h.pool.content, h.pool.free, s.admitted, s.faults, s.evictions,
+            s.preemptions, s.aborts))
+    return hashlib.blake2b(buf.getvalue(), digest_size=16).digest()
+
+
+def path_to(parents: dict[bytes, tuple[bytes, Action] | None], key: bytes) -> list[Action]:
+    path: list[Action] = []
+    link = parents[key]
+    while link is not None:
+        key, action = link
+        path.append(action)
+        link = parents[key]
+    return path[::-1]
+
+
+def _violation(scope: Scope, protocol: str, parents: dict[bytes, tuple[bytes, Action] | None],
+               key: bytes, action: Action, s: System, out_dir: str | None,
+               reduce: bool) -> Violation:
+    first = s.h.monitor.findings[0]
+    actions = (*path_to(parents, key), action)
+    trace = None
+    if out_dir is not None:
+        text = replay_actions(scope, protocol, actions, reduce=reduce)
+        name = hashlib.sha256(text.encode()).hexdigest()[:12]
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"modelcheck-{protocol}-{scope.name}-{name}.jsonl"
+        path.write_text(text)
+        trace = str(path)
+    return Violation(first.invariant, first.message, actions, trace)
+
+
+def replay_actions(scope: Scope, protocol: str, actions: tuple[Action, ...], *,
+                   reduce: bool = True) -> str:
+    """Re-run ``actions`` on a recording harness; the kvstate trace text."""
+    # Plain ints and names: the renamings change no decision, and a trace
+    # holds plain values.
+    s = initial(scope, protocol, reduce=False)
+    s.h.record = True
+    symmetric: set[int] = set()
+    for action in actions:
+        if action == ("quiesce",):
+            s.h.quiesce()
+        else:
+            apply(scope, s, action, symmetric)
+    return s.h.trace_text(source="kvstate modelcheck", scope=scope.name,
+                          actions=[" ".join(map(str, a)) for a in actions])
+
+
+def format_action(action: Action) -> str:
+    return " ".join(map(str, action))
+
+
+__all__ = ["SCOPES", "BlockId", "BlockPool", "Result", "Scope", "check", "digest"]
