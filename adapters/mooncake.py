@@ -192,5 +192,7 @@ class MooncakeStore:
             self.timeout, "batch_get_into_multi_buffers"))
 
     def close(self) -> None:
+        """Idempotent; the client is unusable afterwards."""
         if self.broken is None:
             self._store.close()
+            self.broken = "closed"

@@ -154,6 +154,52 @@ def verify(store: MooncakeStore, kv: PagedKV, keys: Iterable[str], scratch_rank:
     return checked, missing, wrong
 
 
+def _drive(harness: Harness, arrivals: Sequence[tuple[str, Sequence[int], int]],
+           steps_per_arrival: int) -> float:
+    """Admit each arrival (waiting while its id is still running), step the
+    engine and let every rank work; settle. Returns the wall seconds."""
+    started = time.perf_counter()
+    pending = list(arrivals)
+    while pending:
+        req_id, prompt, max_new = pending.pop(0)
+        if req_id in harness.requests:
+            pending.append((req_id, prompt, max_new))
+        else:
+            harness.add(req_id, prompt, max_new, lookup=True)
+        for _ in range(steps_per_arrival):
+            harness.step()
+            harness.run_ranks()
+    harness.settle(max_steps=2000)
+    return time.perf_counter() - started
+
+
+def _result(harness: Harness, arrivals: Sequence[Any], totals: dict[str, Any],
+            verified: tuple[int, int, list[str]], seconds: float,
+            extra: dict[str, Any] | None = None) -> RealResult:
+    checked, missing, wrong = verified
+    violations = [{"invariant": f.invariant, "event_index": f.event_index, "message": f.message}
+                  for f in harness.monitor.findings]
+    violations += [{"invariant": "K1", "event_index": -1,
+                    "message": f"{key} holds bytes of another prefix"} for key in wrong]
+    if totals["load_mismatches"]:
+        violations.append({"invariant": "K1", "event_index": -1, "message":
+                           f"{totals['load_mismatches']} loads read bytes of another prefix"})
+    moved = totals["put_bytes"] + totals["load_bytes"]
+    figures = {
+        "requests": len(arrivals),
+        **{k: totals[k] for k in ("puts", "put_bytes", "exists_calls", "exists_keys",
+                                  "dedup_hits", "loads", "load_bytes", "keys_written")},
+        "verified_keys": checked,
+        "missing_at_verify": missing,
+        "wrong_keys": len(wrong),
+        "store_errors": totals["errors"],
+        "seconds": round(seconds, 3),
+        "bytes_per_second": round(moved / seconds) if seconds else 0,
+        **(extra or {}),
+    }
+    return RealResult(not violations, violations, figures)
+
+
 def run_real(
     store: MooncakeStore,
     arrivals: Sequence[tuple[str, Sequence[int], int]],
@@ -166,7 +212,8 @@ def run_real(
     device: str = "cpu",
 ) -> RealResult:
     """Drive ``arrivals`` (req id, prompt, max new tokens) through the core with
-    the real store, then verify every stored key byte for byte."""
+    the real store, all ranks in this process, then verify every stored key
+    byte for byte."""
     kv = PagedKV(config.world_size, len(config.groups), num_blocks, config.block_size,
                  heads=heads, head_dim=head_dim, device=device, put_step=config.put_step)
     with registered(store, kv.tensors()):
@@ -176,46 +223,57 @@ def run_real(
                           token_budget=64, record=False, keep_finished=False,
                           auto_preempt=True)
         harness.pool.on_write = kv.fill
-        started = time.perf_counter()
-        pending = list(arrivals)
-        while pending:
-            req_id, prompt, max_new = pending.pop(0)
-            if req_id in harness.requests:
-                pending.append((req_id, prompt, max_new))
-            else:
-                harness.add(req_id, prompt, max_new, lookup=True)
-            for _ in range(steps_per_arrival):
-                harness.step()
-                harness.run_ranks()
-        harness.settle(max_steps=2000)
-        seconds = time.perf_counter() - started
-        checked, missing, wrong = verify(store, kv, real.written)
-    findings = harness.monitor.findings
-    violations = [{"invariant": f.invariant, "event_index": f.event_index, "message": f.message}
-                  for f in findings]
-    violations += [{"invariant": "K1", "event_index": -1,
-                    "message": f"{key} holds bytes of another prefix"} for key in wrong]
-    if real.load_mismatches:
-        violations.append({"invariant": "K1", "event_index": -1, "message":
-                           f"{real.load_mismatches} loads read bytes of another prefix"})
-    figures = {
-        "requests": len(arrivals),
-        "puts": real.puts,
-        "put_bytes": real.put_bytes,
-        "exists_calls": real.exists_calls,
-        "exists_keys": real.exists_keys,
-        "dedup_hits": real.dedup_hits,
-        "loads": real.loads,
-        "load_bytes": real.load_bytes,
-        "keys_written": len(real.written),
-        "verified_keys": checked,
-        "missing_at_verify": missing,
-        "wrong_keys": len(wrong),
-        "store_errors": dict(real.errors),
-        "seconds": round(seconds, 3),
-        "bytes_per_second": round((real.put_bytes + real.load_bytes) / seconds) if seconds else 0,
-    }
-    return RealResult(not violations, violations, figures)
+        seconds = _drive(harness, arrivals, steps_per_arrival)
+        verified = verify(store, kv, real.written)
+    totals = {"puts": real.puts, "put_bytes": real.put_bytes, "exists_calls": real.exists_calls,
+              "exists_keys": real.exists_keys, "dedup_hits": real.dedup_hits,
+              "loads": real.loads, "load_bytes": real.load_bytes,
+              "load_mismatches": real.load_mismatches, "keys_written": len(real.written),
+              "errors": dict(real.errors)}
+    return _result(harness, arrivals, totals, verified, seconds)
+
+
+def run_real_processes(
+    mooncake: Any,
+    arrivals: Sequence[tuple[str, Sequence[int], int]],
+    config: ConnectorConfig,
+    variant: str = "kvstate",
+    num_blocks: int = 128,
+    steps_per_arrival: int = 2,
+    heads: int = 2,
+    head_dim: int = 16,
+    timeout: float = 5.0,
+) -> RealResult:
+    """``run_real`` with every rank in its own process, with its own Mooncake
+    client (``mooncake``: the `MooncakeConfig` each rank connects with) and its
+    own KV caches (`adapters.rank_process`)."""
+    from adapters.rank_process import RankProcesses
+
+    ranks = RankProcesses(mooncake, config.world_size, config.put_step, len(config.groups),
+                          num_blocks, config.block_size, heads=heads, head_dim=head_dim,
+                          timeout=timeout)
+    try:
+        harness = Harness(config, variant, num_blocks=num_blocks,
+                          store=ranks,  # type: ignore[arg-type]
+                          token_budget=64, record=False, keep_finished=False,
+                          auto_preempt=True)
+        harness.pool.on_write = ranks.fill
+        seconds = _drive(harness, arrivals, steps_per_arrival)
+        verified = ranks.verify()
+        per_rank = ranks.stats()
+    finally:
+        ranks.close()
+    totals: dict[str, Any] = {"errors": {}}
+    for stats in per_rank:
+        for key, value in stats.items():
+            if key == "errors":
+                for name, n in value.items():
+                    totals["errors"][name] = totals["errors"].get(name, 0) + n
+            elif key != "pid":
+                totals[key] = totals.get(key, 0) + value
+    extra = {"rank_pids": [s["pid"] for s in per_rank],
+             "puts_per_rank": [s["puts"] for s in per_rank]}
+    return _result(harness, arrivals, totals, verified, seconds, extra)
 
 
 def workload_arrivals(kind: str, requests: int, seed: int, scale: int = 64,

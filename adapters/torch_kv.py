@@ -29,8 +29,12 @@ class PagedKV:
     def __init__(self, ranks: int, groups: int, num_blocks: int, block_size: int,
                  layers: int = 2, heads: int = 2, head_dim: int = 16,
                  dtype: torch.dtype = torch.float16, device: str = "cpu",
-                 put_step: int = 1) -> None:
+                 put_step: int = 1, first_rank: int = 0) -> None:
+        """``ranks`` caches for global ranks ``first_rank, first_rank + 1, ...``
+        (a rank process holds only its own: ``ranks=1, first_rank=r``); methods
+        take the local index."""
         self.put_step = put_step
+        self.first_rank = first_rank
         self.layers = layers
         self.caches = [
             [[torch.zeros((num_blocks + 1, block_size, heads, head_dim), dtype=dtype,
@@ -61,13 +65,14 @@ class PagedKV:
                 for layer in range(self.layers):
                     view = self.block_view(rank, group, block, layer)
                     if digest_hex:
-                        view.copy_(self.expected(digest_hex, rank // self.put_step, group, layer))
+                        ns = (self.first_rank + rank) // self.put_step
+                        view.copy_(self.expected(digest_hex, ns, group, layer))
                     else:
                         view.zero_()
 
     def matches(self, rank: int, group: int, block: int, digest_hex: str,
                 namespace: int | None = None) -> bool:
-        ns = rank // self.put_step if namespace is None else namespace
+        ns = (self.first_rank + rank) // self.put_step if namespace is None else namespace
         return all(
             torch.equal(self.block_view(rank, group, block, layer),
                         self.expected(digest_hex, ns, group, layer))

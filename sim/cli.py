@@ -712,7 +712,18 @@ def cmd_real(args: argparse.Namespace) -> int:
             config = ConnectorConfig(block_size=args.block_size, world_size=args.world_size,
                                      save_decode_cache=True, enable_kv_events=True,
                                      cache_prefix=f"run{args.seed}")
-            result = run_real(store, arrivals, config, variant=args.protocol)
+            if args.processes:
+                from adapters.rank_process import RankProcessError
+                from adapters.runner import run_real_processes
+
+                store.close()  # the ranks bring their own clients
+                try:
+                    result = run_real_processes(store.config, arrivals, config,
+                                                variant=args.protocol, timeout=args.timeout)
+                except RankProcessError as exc:
+                    raise UsageError(str(exc)) from None
+            else:
+                result = run_real(store, arrivals, config, variant=args.protocol)
         finally:
             store.close()
     finally:
@@ -823,6 +834,9 @@ def build_parser() -> argparse.ArgumentParser:
     real.add_argument("--segment-mib", type=_positive_int, default=256)
     real.add_argument("--timeout", type=_positive_float, default=5.0,
                       help="seconds a store call may take")
+    real.add_argument("--processes", action="store_true",
+                      help="every rank in its own process with its own Mooncake client "
+                      "and KV caches (default: all ranks in this process)")
     real.add_argument("--bench", action="store_true",
                       help="instead: adapter vs raw client bytes/s for 16 KiB-4 MiB blocks")
     real.add_argument("--json", action="store_true")

@@ -269,7 +269,7 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
           (_A1, _A2), faults=0, evictions=1, preemptions=1),
     Scope("decode", "decode-phase saves across a preemption and an id reuse on one rank, a "
           "fault, an eviction",
-          (ScopeRequest("a", (1, 2, 3), decode=4), ScopeRequest("a", (1, 2), decode=2)),
+          (ScopeRequest("a", (1, 2, 3), decode=3), ScopeRequest("a", (1, 2), decode=0)),
           world_size=1, num_blocks=5, faults=1, evictions=1, preemptions=1),
     Scope("twins", "two interchangeable requests (request-id symmetry) on 2 ranks",
           (ScopeRequest("a", (1, 2, 3), decode=1), ScopeRequest("b", (1, 2, 3), decode=1)),

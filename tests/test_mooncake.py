@@ -184,3 +184,42 @@ def _keys_with_prefix(store: MooncakeStore, config: ConnectorConfig, arrivals) -
             keys.append(key_for(key_prefix(config, 0, 0), chunk_hash(hashes, cid, 1)))
     present = store.exists(keys)
     return [k for k, p in zip(keys, present) if p]
+
+
+def test_ranks_in_their_own_processes_verify_every_byte(mooncake_master) -> None:
+    """Each rank a separate process with its own client, segment and caches;
+    the loads of "c" read what rank processes stored, across clients."""
+    import os
+
+    from adapters.runner import run_real_processes
+
+    shared = prompt(16, salt=4)
+    arrivals = [("a", shared + prompt(6, 5), 6), ("b", shared + prompt(9, 6), 5),
+                ("c", shared + prompt(6, 5), 4)]
+    config = isolated(world_size=3, save_decode_cache=True, enable_kv_events=True)
+    mooncake = MooncakeConfig(master_server_address=mooncake_master.address,
+                              global_segment_size=32 << 20, local_buffer_size=16 << 20)
+    result = run_real_processes(mooncake, arrivals, config)
+    figures = result.figures
+    assert result.ok, result.violations
+    pids = figures["rank_pids"]
+    assert len(set(pids)) == 3 and os.getpid() not in pids  # really three other processes
+    assert all(n > 0 for n in figures["puts_per_rank"])
+    assert figures["verified_keys"] == figures["keys_written"] > 0
+    assert figures["loads"] > 0 and figures["dedup_hits"] > 0
+
+
+def test_a_dead_rank_process_is_named(mooncake_master) -> None:
+    from adapters.rank_process import RankProcesses, RankProcessError
+
+    mooncake = MooncakeConfig(master_server_address=mooncake_master.address,
+                              global_segment_size=16 << 20, local_buffer_size=16 << 20)
+    ranks = RankProcesses(mooncake, 2, 1, 1, 4, 4)
+    try:
+        ranks.procs[1].kill()
+        ranks.procs[1].join(5)
+        with pytest.raises(RankProcessError, match="rank 1 process"):
+            ranks.exists(1, ["nothing"])
+        assert ranks.exists(0, ["nothing"]) == [False]  # the other rank still answers
+    finally:
+        ranks.close()
