@@ -187,7 +187,7 @@ class RankProcesses:
         return [self._call(rank, "stats") for rank in range(len(self.conns))]
 
     def close(self) -> None:
-        for rank, conn in enumerate(self.conns):
+        for conn in self.conns:
             try:
                 conn.send(("close",))
                 conn.poll(10) and conn.recv()

@@ -23,6 +23,7 @@ from adapters.torch_kv import PagedKV
 from kvstate.config import ConnectorConfig
 from kvstate.harness import Harness
 from kvstate.memory_store import StoreRaised
+from kvstate.observations import ExistsAnswered, JobStarted, Planned
 
 
 @contextmanager
@@ -126,6 +127,41 @@ class RealStore:
         return False  # the real master evicts on its own, silently
 
 
+class SaveCounter:
+    """Existence checks split by the kind of save that made them, from the
+    harness's observations: a job is a decode save when its plan said so."""
+
+    def __init__(self) -> None:
+        self.decode_jobs: set[int] = set()
+        self.rank_jobs = {"decode": 0, "prompt": 0}  # (job, rank) pairs started
+        self.exists_calls = {"decode": 0, "prompt": 0}
+        self.exists_keys = {"decode": 0, "prompt": 0}
+
+    def __call__(self, obs: Any) -> None:
+        kind = type(obs)
+        if kind is Planned:
+            for meta in obs.plan.saves:
+                if meta.is_decode:
+                    self.decode_jobs.add(meta.job_id)
+        elif kind is JobStarted:
+            self.rank_jobs["decode" if obs.job_id in self.decode_jobs else "prompt"] += 1
+        elif kind is ExistsAnswered:
+            which = "decode" if obs.job_id in self.decode_jobs else "prompt"
+            self.exists_calls[which] += 1
+            self.exists_keys[which] += len(obs.keys)
+
+    def figures(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for which in ("decode", "prompt"):
+            saves = self.rank_jobs[which]
+            out[f"{which}_saves_per_rank"] = saves
+            out[f"exists_calls_per_{which}_save"] = round(
+                self.exists_calls[which] / saves, 3) if saves else None
+            out[f"exists_keys_per_{which}_save"] = round(
+                self.exists_keys[which] / saves, 3) if saves else None
+        return out
+
+
 @attrs.define
 class RealResult:
     ok: bool
@@ -218,10 +254,11 @@ def run_real(
                  heads=heads, head_dim=head_dim, device=device, put_step=config.put_step)
     with registered(store, kv.tensors()):
         real = RealStore(store, kv)
+        saves = SaveCounter()
         harness = Harness(config, variant, num_blocks=num_blocks,
                           store=real,  # type: ignore[arg-type]
                           token_budget=64, record=False, keep_finished=False,
-                          auto_preempt=True)
+                          auto_preempt=True, sink=saves)
         harness.pool.on_write = kv.fill
         seconds = _drive(harness, arrivals, steps_per_arrival)
         verified = verify(store, kv, real.written)
@@ -230,7 +267,7 @@ def run_real(
               "loads": real.loads, "load_bytes": real.load_bytes,
               "load_mismatches": real.load_mismatches, "keys_written": len(real.written),
               "errors": dict(real.errors)}
-    return _result(harness, arrivals, totals, verified, seconds)
+    return _result(harness, arrivals, totals, verified, seconds, saves.figures())
 
 
 def run_real_processes(
@@ -253,10 +290,11 @@ def run_real_processes(
                           num_blocks, config.block_size, heads=heads, head_dim=head_dim,
                           timeout=timeout)
     try:
+        saves = SaveCounter()
         harness = Harness(config, variant, num_blocks=num_blocks,
                           store=ranks,  # type: ignore[arg-type]
                           token_budget=64, record=False, keep_finished=False,
-                          auto_preempt=True)
+                          auto_preempt=True, sink=saves)
         harness.pool.on_write = ranks.fill
         seconds = _drive(harness, arrivals, steps_per_arrival)
         verified = ranks.verify()
@@ -271,7 +309,7 @@ def run_real_processes(
                     totals["errors"][name] = totals["errors"].get(name, 0) + n
             elif key != "pid":
                 totals[key] = totals.get(key, 0) + value
-    extra = {"rank_pids": [s["pid"] for s in per_rank],
+    extra = {**saves.figures(), "rank_pids": [s["pid"] for s in per_rank],
              "puts_per_rank": [s["puts"] for s in per_rank]}
     return _result(harness, arrivals, totals, verified, seconds, extra)
 
@@ -295,7 +333,7 @@ def workload_arrivals(kind: str, requests: int, seed: int, scale: int = 64,
 
 
 def bench_adapter(store: MooncakeStore, sizes: Sequence[int] = (16 << 10, 256 << 10, 4 << 20),
-                  bytes_per_batch: int = 8 << 20, repeats: int = 5) -> dict[str, Any]:
+                  bytes_per_batch: int = 8 << 20, repeats: int = 9) -> dict[str, Any]:
     """Put and get bytes/second through ``MooncakeStore`` (the adapter, with its
     bounded calls) against the raw ``MooncakeDistributedStore`` calls on the same
     registered buffers, in the same run."""

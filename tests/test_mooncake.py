@@ -33,6 +33,11 @@ def test_round_trip_verifies_every_stored_byte(mooncake_store) -> None:
     assert figures["dedup_hits"] > 0  # the shared prefix is found, not re-put
     assert figures["loads"] > 0  # "c" repeats "a"'s prompt: a lookup hit, loaded for real
     assert figures["store_errors"] == {}
+    # Existence checks are counted per kind of save (a loaded request's first
+    # decode save also checks the prompt chunks its loading step skipped).
+    assert figures["decode_saves_per_rank"] > 0
+    assert figures["exists_calls_per_decode_save"] <= 1.0
+    assert figures["exists_keys_per_decode_save"] > 0
 
 
 def _preempt_running_job(store: MooncakeStore, variant: str
@@ -210,7 +215,7 @@ def test_ranks_in_their_own_processes_verify_every_byte(mooncake_master) -> None
 
 
 def test_a_dead_rank_process_is_named(mooncake_master) -> None:
-    from adapters.rank_process import RankProcesses, RankProcessError
+    from adapters.rank_process import RankProcessError, RankProcesses
 
     mooncake = MooncakeConfig(master_server_address=mooncake_master.address,
                               global_segment_size=16 << 20, local_buffer_size=16 << 20)
