@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover
 
 from kvstate.config import ConnectorConfig
 from kvstate.harness import Harness
+from kvstate.invariants import Monitor
 from kvstate.memory_store import MemoryStore, StoreRaised
 
 ANSWERS = (0, -200, -800, "raise")
@@ -57,6 +58,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         pressure_backoff=2.0)
     variant: ClassVar[str] = "kvstate"
     num_blocks: ClassVar[int] = 24
+    only: ClassVar[tuple[str, ...] | None] = None  # check just these invariants
     planner_factory: ClassVar[Callable[..., Any] | None] = None
     executor_factory: ClassVar[Callable[..., Any] | None] = None
 
@@ -70,6 +72,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         store = MemoryStore(self._answer)
         self.h = Harness(self.config, self.variant, num_blocks=self.num_blocks, store=store,
                          token_budget=16, auto_preempt=True,
+                         monitor=Monitor(self.config, only=self.only),
                          planner_factory=type(self).planner_factory,
                          executor_factory=type(self).executor_factory)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -48,7 +48,11 @@ def campaign(
     base: SimOptions | None = None,
     stop_when_found: bool = False,
     progress: Callable[[str], None] | None = None,
+    stop_when: Collection[str] = (),
 ) -> CampaignResult:
+    """Seeds until the budget (or ``seeds``) is spent; ``stop_when_found``
+    stops at the first run with any violation, ``stop_when`` at the first
+    run that violates one of the named invariants."""
     base = base or SimOptions()
     started = time.perf_counter()
     first_found: dict[str, float] = {}
@@ -81,7 +85,7 @@ def campaign(
         if progress is not None:
             progress(f"{protocol}: {runs} runs, {time.perf_counter() - started:.1f}s, "
                      f"found {sorted(first_found) or 'nothing'}")
-        if stop_when_found and counts:
+        if (stop_when_found and counts) or any(i in counts for i in stop_when):
             break
     configured = base.faults
     return CampaignResult(protocol, runs, round(time.perf_counter() - started, 3), first_found,

@@ -225,10 +225,11 @@ def cmd_modelcheck(args: argparse.Namespace) -> int:
     else:
         print("\ntable entries fired during the exploration:")
         print(format_table(rows, unseen=False))
-        if complete and ok:
-            print("\nspec smell: table entries no reachable state fires in "
-                  f"{'these scopes' if len(names) > 1 else 'this scope'} "
-                  "(unreachable here: a wider scope, or a table entry nothing can take):")
+        exhausted = [f"{r.protocol}/{r.scope}" for r in runs if r.exhaustive]
+        if ok and exhausted:
+            print("\nspec smell: table entries that no run fired, though "
+                  f"{', '.join(exhausted)} visited every reachable state (reachable only "
+                  "in a wider scope, or an entry nothing can take):")
             for r in rows:
                 for state, event in r.unseen:
                     print(f"  {r.machine}: {state} --{event}-->")

@@ -44,18 +44,20 @@ PROFILES: dict[str, dict[str, Any]] = {
 CI_EXAMPLES, CI_STEPS = 60, 40
 
 
-def machine_for(protocol: str, profile: str = "both") -> Any:
+def machine_for(protocol: str, profile: str = "both",
+                only: tuple[str, ...] | None = None) -> Any:
     from kvstate.testing import ConnectorMachine
 
     if profile not in PROFILES:
         raise ValueError(f"unknown fuzz profile {profile!r} (known: {', '.join(PROFILES)})")
     config = attrs.evolve(ConnectorMachine.config, **PROFILES[profile])
     return type(f"Fuzz_{protocol}_{profile}", (ConnectorMachine,),
-                {"variant": protocol, "config": config})
+                {"variant": protocol, "config": config, "only": only})
 
 
 def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 50,
-         out_dir: str = ".", profile: str = "both", derandomize: bool = False) -> FuzzResult:
+         out_dir: str = ".", profile: str = "both", derandomize: bool = False,
+         only: tuple[str, ...] | None = None) -> FuzzResult:
     """Rounds of ``examples`` programs until ``budget`` seconds are spent or an
     invariant breaks. ``derandomize`` runs one fixed round (the CI profile)."""
     import os
@@ -64,7 +66,7 @@ def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 
     from hypothesis.errors import Flaky
 
     os.environ["KVSTATE_FUZZ_DIR"] = out_dir
-    machine = machine_for(protocol, profile)
+    machine = machine_for(protocol, profile, only)
     started = time.perf_counter()
     rounds = 0
     from hypothesis.stateful import run_state_machine_as_test
@@ -92,13 +94,13 @@ def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 
 
 
 def fuzz_ci(protocol: str, profiles: tuple[str, ...] = tuple(PROFILES),
-            out_dir: str = ".") -> FuzzResult:
+            out_dir: str = ".", only: tuple[str, ...] | None = None) -> FuzzResult:
     """The CI profile in each engine shape until one finds a violation."""
     started = time.perf_counter()
     result = None
     for profile in profiles:
         result = fuzz(protocol, budget=float("inf"), examples=CI_EXAMPLES, steps=CI_STEPS,
-                      out_dir=out_dir, profile=profile, derandomize=True)
+                      out_dir=out_dir, profile=profile, derandomize=True, only=only)
         if not result.ok:
             break
     assert result is not None

@@ -68,7 +68,7 @@ import io
 import pickle
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -333,12 +333,14 @@ class System:
     aborts: int
 
 
-def initial(scope: Scope, variant: str, *, reduce: bool = True) -> System:
+def initial(scope: Scope, variant: str, *, reduce: bool = True,
+            only: Sequence[str] | None = None) -> System:
+    """``only``: check just these invariants (all by default)."""
     config = scope.config()
     answers = ScriptedAnswers()
     h = Harness(config, variant, num_blocks=scope.num_blocks, store=MemoryStore(answers),
                 token_budget=scope.token_budget, record=False, keep_finished=False,
-                auto_preempt=True)
+                auto_preempt=True, monitor=Monitor(config, only=only))
     if reduce:
         h.now = Tick(0)
         h.pool.free = deque(BlockId(b) for b in h.pool.free)
@@ -502,14 +504,15 @@ def _dumps(s: System) -> bytes:
 
 def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = None,
           max_states: int | None = None, reduce: bool = True, out_dir: str | None = ".",
-          progress: Callable[[Result], None] | None = None) -> Result:
+          progress: Callable[[Result], None] | None = None,
+          only: Sequence[str] | None = None) -> Result:
     """Explore ``scope`` under ``protocol`` breadth-first; stop at the first
     violation (which is then a shortest one), when every reachable state was
     visited, or when ``budget`` seconds / ``max_states`` run out."""
     get_variant(protocol)  # a clear error for an unknown name, before any work
     symmetric = _symmetric(scope) if reduce else set()
     result = Result(scope.name, protocol)
-    start = initial(scope, protocol, reduce=reduce)
+    start = initial(scope, protocol, reduce=reduce, only=only)
     key = _key(start, reduce)
     parents: dict[bytes, tuple[bytes, Action] | None] = {key: None}
     frontier: deque[tuple[bytes, bytes, int]] = deque([(key, _dumps(start), 0)])

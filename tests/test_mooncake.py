@@ -228,3 +228,13 @@ def test_a_dead_rank_process_is_named(mooncake_master) -> None:
         assert ranks.exists(0, ["nothing"]) == [False]  # the other rank still answers
     finally:
         ranks.close()
+
+
+def test_gpu_roundtrip_script_runs_its_path_on_cpu_tensors(mooncake_master, capsys) -> None:
+    """The GPU readiness script is not run here (no GPU); its code path is."""
+    from adapters.gpu_roundtrip import main
+
+    assert main(["--master", mooncake_master.address, "--tensors", "cpu",
+                 "--requests", "4"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ok"] and out["verified_keys"] == out["keys_written"] > 0
