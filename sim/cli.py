@@ -647,11 +647,16 @@ def cmd_campaign(args: argparse.Namespace) -> int:
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
+    from kvstate.coverage import Coverage, format_table, recording, summarize
     from sim.fuzz import fuzz
 
-    results = [fuzz(p, budget=args.budget, examples=args.examples, steps=args.steps,
-                    out_dir=args.out_dir) for p in (args.protocol or ["kvstate"])]
+    cov = Coverage()
+    with recording(cov):
+        results = [fuzz(p, budget=args.budget, examples=args.examples, steps=args.steps,
+                        out_dir=args.out_dir, profile=args.profile)
+                   for p in (args.protocol or ["kvstate"])]
     ok = all(r.ok for r in results)
+    rows_cov = summarize(cov)
     if args.json:
         print(json.dumps({"ok": ok, "violations": [
             {"invariant": r.invariant, "event_index": -1, "message": f"{r.protocol}: "
@@ -659,13 +664,17 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             for r in results if not r.ok],
             "runs": [{"protocol": r.protocol, "rounds": r.rounds, "seconds": r.seconds,
                       "invariant": r.invariant, "rules": r.rules, "trace": r.trace}
-                     for r in results]}, sort_keys=True))
+                     for r in results],
+            "never_fired": {r.machine: [list(p) for p in r.unseen] for r in rows_cov}},
+            sort_keys=True))
         return 0 if ok else 1
     rows = [["protocol", "rounds", "seconds", "found", "shrunk rules", "trace"]]
     for r in results:
         rows.append([r.protocol, str(r.rounds), f"{r.seconds:.1f}", r.invariant or "-",
                      str(r.rules or "-"), r.trace or "-"])
     print(_table(rows))
+    print("\ntable entries the fuzzer's programs fired (shrinking included):")
+    print(format_table(rows_cov, unseen=args.show_unseen))
     return 0 if ok else 1
 
 
@@ -804,6 +813,10 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--examples", type=_positive_int, default=200, help="programs per round")
     fz.add_argument("--steps", type=_positive_int, default=50, help="rules per program")
     fz.add_argument("--out-dir", default=".", help="where counterexample traces go")
+    fz.add_argument("--profile", default="both", choices=("both", "striding", "consumer"),
+                    help="engine shape: per-rank heads, MLA striding, or a P/D decode node")
+    fz.add_argument("--show-unseen", action="store_true",
+                    help="list the table entries and guard outcomes never fired")
     fz.add_argument("--json", action="store_true")
     fz.set_defaults(func=cmd_fuzz)
 

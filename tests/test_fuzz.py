@@ -40,3 +40,17 @@ def test_fuzzer_finds_the_variant_and_writes_a_replayable_trace(variant, tmp_pat
     traces = sorted(tmp_path.glob(f"fuzz-{variant}-*.jsonl"))
     assert traces
     assert replay_trace(traces[-1]).ok  # the written counterexample replays exactly
+
+
+def test_fuzz_command_reports_runs_and_coverage(tmp_path, capsys) -> None:
+    import json
+
+    from sim.cli import main
+
+    assert main(["fuzz", "--budget", "1", "--examples", "10", "--json",
+                 "--out-dir", str(tmp_path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["runs"][0]["protocol"] == "kvstate"
+    assert set(doc["never_fired"]) >= {"request", "job", "pin"}
+    assert main(["fuzz", "--budget", "1", "--examples", "10", "--profile", "striding"]) == 0
+    assert "table entries the fuzzer's programs fired" in capsys.readouterr().out
