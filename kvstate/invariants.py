@@ -147,6 +147,23 @@ CATALOGUE: tuple[Invariant, ...] = (
 
 INVARIANTS: dict[str, Invariant] = {inv.id: inv for inv in CATALOGUE}
 
+# The catalogue names one breaker per invariant; variants it names for none are
+# upstream eras or mutants whose bug it credits to a sibling. Their own bugs:
+_ALSO_BROKEN_BY: dict[str, tuple[str, ...]] = {
+    "e0": ("S1", "K1"),  # no pins at all, as e1
+    "e1": ("S2",),  # blocks freed at preemption while a job reads them
+    "delayed-free-at-finish": ("S1", "S2", "K1"),
+    "consumer-without-backfill": ("S10",),
+}
+
+
+def broken_by(variant: str) -> tuple[str, ...]:
+    """The invariants ``variant`` exists to break (empty for ``kvstate``).
+    E2-based mutants also inherit e2's bugs; a tool that is to show it finds
+    *this* variant's bug checks these only."""
+    own = [inv.id for inv in CATALOGUE if inv.broken_by == variant]
+    return tuple(dict.fromkeys([*own, *_ALSO_BROKEN_BY.get(variant, ())]))
+
 # How many evicted chunk hashes the consumer model remembers (bounded: a child
 # announced later than this many evictions after its parent is flagged).
 EVICTED_MEMORY = 1 << 17

@@ -59,6 +59,9 @@ class ConnectorMachine(RuleBasedStateMachine):
     variant: ClassVar[str] = "kvstate"
     num_blocks: ClassVar[int] = 24
     only: ClassVar[tuple[str, ...] | None] = None  # check just these invariants
+    # Distinct prompt families: 1 makes every prompt a prefix of one sequence,
+    # so lookups hit and loads (and their failures) happen often.
+    prompt_families: ClassVar[int] = 4
     planner_factory: ClassVar[Callable[..., Any] | None] = None
     executor_factory: ClassVar[Callable[..., Any] | None] = None
 
@@ -90,14 +93,15 @@ class ConnectorMachine(RuleBasedStateMachine):
           load_async=st.booleans())
     def admit(self, req_id: str, length: int, salt: int, decode: int,
               load_async: bool) -> Any:
-        """Salt 0 looks the store up (and may load asynchronously); on a decode
+        """Salts 0-2 look the store up (and may load asynchronously); on a decode
         node (kv_consumer) salt 1 is a request whose prompt KV was transferred
         from a prefill node."""
         self.rules_run += 1
         if req_id in self.h.requests:
             return multiple()
-        prompt = [(salt * 7 + i) % 11 for i in range(length)]  # small vocabulary: shared prefixes
-        self.h.add(req_id, prompt, decode, lookup=salt == 0, load_async=load_async,
+        family = salt % self.prompt_families
+        prompt = [(family * 7 + i) % 11 for i in range(length)]  # small vocabulary: shared prefixes
+        self.h.add(req_id, prompt, decode, lookup=salt != 3, load_async=load_async,
                    transferred=salt == 1 and self.config.is_consumer)
         return req_id
 
@@ -120,6 +124,13 @@ class ConnectorMachine(RuleBasedStateMachine):
     def rank_moves(self, rank: int) -> None:
         self.rules_run += 1
         self.h.advance(rank % self.config.world_size)
+
+    @rule(rank=st.integers(0, 1))
+    def rank_catches_up(self, rank: int) -> None:
+        """The rank performs every call it has (a rank that ran ahead): keeps
+        programs short that need a prefix fully stored before a lookup."""
+        self.rules_run += 1
+        self.h.run_rank(rank % self.config.world_size, max_calls=64)
 
     @rule(answer=st.sampled_from(ANSWERS))
     def store_answers_next_put(self, answer: int | str) -> None:

@@ -418,26 +418,14 @@ def bench_variants(trials: int = 5, budget: float = 60.0) -> dict[str, Any]:
 # Bug-finding power: every variant against the three tools.
 
 # Model-checker scopes in the order they are tried (small and cheap first).
-TOOL_SCOPES = ("tiny", "default", "decode", "mla", "pd", "churn", "twins")
-
-
-# The invariants each variant exists to break: the catalogue names one breaker
-# per invariant; the variants it names for none get theirs here (they are
-# upstream eras or mutants whose bug the catalogue credits to a sibling).
-_ALSO_BREAKS = {
-    "e0": ("S1", "K1"),  # no pins at all: as e1
-    "delayed-free-at-finish": ("S1", "S2", "K1"),
-    "consumer-without-backfill": ("S10",),
-    "e1": ("S2",),
-}
+TOOL_SCOPES = ("tiny", "load", "pd", "mla", "twins", "decode", "default", "churn")
 
 
 def targets(variant: str) -> tuple[str, ...]:
-    """The characteristic invariants of ``variant`` (empty for ``kvstate``)."""
-    from kvstate.invariants import CATALOGUE
+    """The characteristic invariants of ``variant`` (`kvstate.invariants.broken_by`)."""
+    from kvstate.invariants import broken_by
 
-    own = [inv.id for inv in CATALOGUE if inv.broken_by == variant]
-    return tuple(dict.fromkeys([*own, *_ALSO_BREAKS.get(variant, ())]))
+    return broken_by(variant)
 
 
 def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0,

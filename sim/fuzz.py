@@ -38,7 +38,10 @@ PROFILES: dict[str, dict[str, Any]] = {
     "both": {},
     "striding": {"put_step": 2},
     "consumer": {"role": "kv_consumer"},
+    # One prompt family: every lookup can hit, so loads and load failures abound.
+    "shared": {"prompt_families": 1},
 }
+_MACHINE_KNOBS = ("prompt_families",)
 
 # The CI profile: derandomized, so a test run is a fixed program set.
 CI_EXAMPLES, CI_STEPS = 60, 40
@@ -50,9 +53,11 @@ def machine_for(protocol: str, profile: str = "both",
 
     if profile not in PROFILES:
         raise ValueError(f"unknown fuzz profile {profile!r} (known: {', '.join(PROFILES)})")
-    config = attrs.evolve(ConnectorMachine.config, **PROFILES[profile])
+    knobs = {k: v for k, v in PROFILES[profile].items() if k in _MACHINE_KNOBS}
+    fields = {k: v for k, v in PROFILES[profile].items() if k not in _MACHINE_KNOBS}
+    config = attrs.evolve(ConnectorMachine.config, **fields)
     return type(f"Fuzz_{protocol}_{profile}", (ConnectorMachine,),
-                {"variant": protocol, "config": config, "only": only})
+                {"variant": protocol, "config": config, "only": only, **knobs})
 
 
 def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 50,

@@ -209,6 +209,7 @@ class ScopeRequest:
     decode: int = 0
     lookup: bool = True
     transferred: bool = False
+    load_async: bool = False
 
 
 @attrs.frozen
@@ -237,7 +238,8 @@ class Scope:
     def describe(self) -> str:
         reqs = ", ".join(
             f"{r.name}: {len(r.prompt)}-token prompt + {r.decode} decode"
-            f"{' (lookup)' if r.lookup else ''}{' (P/D transfer)' if r.transferred else ''}"
+            f"{' (lookup)' if r.lookup else ''}{' (async load)' if r.load_async else ''}"
+            f"{' (P/D transfer)' if r.transferred else ''}"
             for r in self.requests)
         return (f"{self.name}: {self.description}; {self.world_size} ranks, put_step "
                 f"{self.put_step}, {self.num_blocks} blocks of {self.block_size} tokens, "
@@ -274,9 +276,15 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
     Scope("twins", "two interchangeable requests (request-id symmetry) on 2 ranks",
           (ScopeRequest("a", (1, 2, 3), decode=1), ScopeRequest("b", (1, 2, 3), decode=1)),
           faults=0, evictions=0, preemptions=0),
-    Scope("mla", "put_step 2: each chunk stored by one rank (striding), one fault",
+    Scope("mla", "put_step 2: each chunk stored by one rank (striding), a job per block "
+          "(2-token budget), one fault",
           (ScopeRequest("a", (1, 2, 3, 4, 5), decode=1),), put_step=2, num_blocks=5,
-          evictions=0, preemptions=0),
+          token_budget=2, evictions=0, preemptions=0),
+    Scope("load", "a second request loads (asynchronously) the prefix the first stored; "
+          "one fault, a failed read included; one rank",
+          (ScopeRequest("a", (1, 2, 3), decode=1),
+           ScopeRequest("b", (1, 2, 3), decode=1, load_async=True)),
+          world_size=1, faults=1, evictions=1, preemptions=0),
     Scope("pd", "a decode node (kv_consumer) whose prompt KV was transferred, one fault",
           (ScopeRequest("a", (1, 2, 3, 4, 5), decode=2, lookup=False, transferred=True),),
           role=Role.CONSUMER, faults=1, evictions=0, preemptions=0),
@@ -360,7 +368,8 @@ def _symmetric(scope: Scope) -> set[int]:
     programs: dict[tuple[Any, ...], list[int]] = {}
     for i, r in enumerate(scope.requests):
         if names.count(r.name) == 1:
-            programs.setdefault((r.prompt, r.decode, r.lookup, r.transferred), []).append(i)
+            programs.setdefault((r.prompt, r.decode, r.lookup, r.transferred, r.load_async),
+                                []).append(i)
     return {i for group in programs.values() if len(group) > 1 for i in group}
 
 
@@ -406,7 +415,7 @@ def apply(scope: Scope, s: System, action: Action, symmetric: set[int]) -> None:
         req = scope.requests[i]
         name = RequestName(req.name) if i in symmetric else req.name
         h.add(name, req.prompt, req.decode, lookup=req.lookup, transferred=req.transferred,
-              token_seed=f"{req.prompt}/{req.decode}")
+              load_async=req.load_async, token_seed=f"{req.prompt}/{req.decode}")
         s.admitted = s.admitted[:i] + (True,) + s.admitted[i + 1:]
     elif kind == "step":
         if len(action) > 1:

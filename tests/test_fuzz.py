@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.errors import Flaky
 
 from kvstate.testing import ConnectorMachine
+from kvstate.variants import VARIANTS
 from sim.replay import replay_trace
 
 CI = settings(max_examples=60, stateful_step_count=40, derandomize=True, deadline=None,
@@ -54,3 +55,18 @@ def test_fuzz_command_reports_runs_and_coverage(tmp_path, capsys) -> None:
     assert set(doc["never_fired"]) >= {"request", "job", "pin"}
     assert main(["fuzz", "--budget", "1", "--examples", "10", "--profile", "striding"]) == 0
     assert "table entries the fuzzer's programs fired" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {"kvstate"}))
+def test_ci_profile_finds_the_variants_own_bug(variant: str, tmp_path) -> None:
+    """Every variant, in one of the four engine shapes (tried in order; a shape
+    that finds nothing costs well under a second). Only the variant's own
+    invariants are checked, so an E2-based mutant is not credited with e2's
+    bugs."""
+    from kvstate.invariants import broken_by
+    from sim.fuzz import fuzz_ci
+
+    own = broken_by(variant)
+    r = fuzz_ci(variant, out_dir=str(tmp_path), only=own)
+    assert r.invariant in own, f"{variant}: CI profile found {r.invariant}, wanted one of {own}"
+    assert r.trace is not None and replay_trace(r.trace).ok

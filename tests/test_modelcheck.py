@@ -155,3 +155,35 @@ def test_scope_description_names_its_bounds() -> None:
     text = SCOPES["default"].describe()
     assert "2 ranks" in text and "1 store fault" in text
     assert attrs.evolve(TINY, faults=0).describe() != TINY.describe()
+
+
+# The scope in which the model checker finds each variant's own bug (measured
+# by `kvstate bench tools`). Every variant is listed.
+SCOPE_FINDS = {
+    "e2": "tiny", "e1": "tiny", "e0": "tiny", "req-id-counter-ledger": "tiny",
+    "no-pins-on-preemption": "tiny", "delayed-free-at-finish": "tiny",
+    "parent-previous-emitted": "tiny", "retry-keyed-by-request": "tiny",
+    "missing-finally": "tiny", "boundary-without-plus-one": "decode",
+    "save-on-loading-step": "twins", "consumer-without-backfill": "tiny",
+    "consumer-saves-prefill": "pd", "advance-offset-on-failure": "tiny",
+    "stride-by-relative-chunk": "mla", "skip-exists-check": "tiny",
+    "lookup-first-namespace": "twins", "swallow-load-errors": "load",
+    "snapshot-from-zero": "tiny", "key-without-rank": "default",
+}
+
+
+def test_every_variant_has_a_scope_that_finds_it() -> None:
+    from kvstate.variants import VARIANTS
+
+    assert set(SCOPE_FINDS) == set(VARIANTS) - {"kvstate"}
+
+
+@pytest.mark.parametrize("variant", sorted(SCOPE_FINDS))
+def test_model_checker_finds_the_variants_own_bug(variant: str, tmp_path) -> None:
+    from kvstate.invariants import broken_by
+
+    own = broken_by(variant)
+    r = check(SCOPES[SCOPE_FINDS[variant]], variant, out_dir=str(tmp_path), only=own)
+    assert r.violation is not None, f"{variant} survived scope {SCOPE_FINDS[variant]}"
+    assert r.violation.invariant in own
+    assert r.violation.trace is not None and replay_trace(r.violation.trace).ok
