@@ -333,10 +333,12 @@ def workload_arrivals(kind: str, requests: int, seed: int, scale: int = 64,
 
 
 def bench_adapter(store: MooncakeStore, sizes: Sequence[int] = (16 << 10, 256 << 10, 4 << 20),
-                  bytes_per_batch: int = 8 << 20, repeats: int = 9) -> dict[str, Any]:
+                  bytes_per_batch: int = 8 << 20, repeats: int = 11) -> dict[str, Any]:
     """Put and get bytes/second through ``MooncakeStore`` (the adapter, with its
     bounded calls) against the raw ``MooncakeDistributedStore`` calls on the same
-    registered buffers, in the same run."""
+    registered buffers, in the same run. Every round stores fresh keys (a put
+    of a present key moves nothing): ``(repeats + 1) * 2 * bytes_per_batch``
+    per size must fit the segment (576 MiB with the defaults)."""
     import torch
 
     raw = store._store  # the wrapped client: the baseline
@@ -360,7 +362,7 @@ def _bench_size(store: MooncakeStore, raw: Any, buf: Any, size: int, keys_per_si
                                          "raw_get": []}
         calls = {"adapter": (store.put, store.get),
                  "raw": (raw.batch_put_from_multi_buffers, raw.batch_get_into_multi_buffers)}
-        for repeat in range(repeats):
+        for repeat in range(-1, repeats):  # round -1 warms both paths up, unmeasured
             # Alternate who goes first, so neither gains from the other's warm-up.
             for who in (("adapter", "raw") if repeat % 2 == 0 else ("raw", "adapter")):
                 put, get = calls[who]
@@ -376,6 +378,8 @@ def _bench_size(store: MooncakeStore, raw: Any, buf: Any, size: int, keys_per_si
                 if any(g < 0 for g in got):
                     raise RuntimeError(f"bench get failed: {set(got)}")
                 total = size * keys_per_size
+                if repeat < 0:
+                    continue
                 rates[f"{who}_put"].append(total / put_s)
                 rates[f"{who}_get"].append(total / get_s)
     med = {k: statistics.median(v) for k, v in rates.items()}

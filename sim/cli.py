@@ -704,7 +704,7 @@ def cmd_real(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         try:
             if args.bench:
-                figures = bench_adapter(store)
+                figures = bench_adapter(store, repeats=args.repeats)
                 if args.json:
                     print(json.dumps({"ok": True, "violations": [], "adapter": figures},
                                      sort_keys=True))
@@ -854,7 +854,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="every rank in its own process with its own Mooncake client "
                       "and KV caches (default: all ranks in this process)")
     real.add_argument("--bench", action="store_true",
-                      help="instead: adapter vs raw client bytes/s for 16 KiB-4 MiB blocks")
+                      help="instead: adapter vs raw client bytes/s for 16 KiB-4 MiB blocks "
+                      "(needs --segment-mib 1024 with the default --repeats)")
+    real.add_argument("--repeats", type=_positive_int, default=11,
+                      help="--bench rounds per block size (median of these)")
     real.add_argument("--json", action="store_true")
     real.set_defaults(func=cmd_real)
 

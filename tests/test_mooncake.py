@@ -151,7 +151,7 @@ def test_real_command_verifies_a_workload_and_benchmarks_the_adapter(capsys) -> 
     assert main(["real", "--requests", "12", "--world-size", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["figures"]["verified_keys"] == out["figures"]["keys_written"] > 0
-    assert main(["real", "--bench", "--segment-mib", "512", "--json"]) == 0
+    assert main(["real", "--bench", "--segment-mib", "512", "--repeats", "3", "--json"]) == 0
     bench = json.loads(capsys.readouterr().out)["adapter"]
     assert set(bench) == {"16KiB", "256KiB", "4096KiB"}
     assert all(row["put_ratio"] > 0 and row["get_ratio"] > 0 for row in bench.values())
