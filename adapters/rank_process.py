@@ -79,13 +79,7 @@ def _serve(conn: Any, spec: RankSpec) -> None:
                     elif op == "verify":
                         out = verify(store, kv, real.written)
                     elif op == "stats":
-                        out = {"puts": real.puts, "put_bytes": real.put_bytes,
-                               "exists_calls": real.exists_calls,
-                               "exists_keys": real.exists_keys, "dedup_hits": real.dedup_hits,
-                               "loads": real.loads, "load_bytes": real.load_bytes,
-                               "load_mismatches": real.load_mismatches,
-                               "keys_written": len(real.written), "errors": dict(real.errors),
-                               "pid": os.getpid()}
+                        out = {**real.totals(), "pid": os.getpid()}
                     else:
                         raise ValueError(f"unknown rank-process operation {op!r}")
                     conn.send(("ok", out))

@@ -126,6 +126,13 @@ class RealStore:
     def evict(self, key: str) -> bool:
         return False  # the real master evicts on its own, silently
 
+    def totals(self) -> dict[str, Any]:
+        return {"puts": self.puts, "put_bytes": self.put_bytes,
+                "exists_calls": self.exists_calls, "exists_keys": self.exists_keys,
+                "dedup_hits": self.dedup_hits, "loads": self.loads,
+                "load_bytes": self.load_bytes, "load_mismatches": self.load_mismatches,
+                "keys_written": len(self.written), "errors": dict(self.errors)}
+
 
 class SaveCounter:
     """Existence checks split by the kind of save that made them, from the
@@ -236,6 +243,16 @@ def _result(harness: Harness, arrivals: Sequence[Any], totals: dict[str, Any],
     return RealResult(not violations, violations, figures)
 
 
+def _harness(config: ConnectorConfig, variant: str, num_blocks: int, store: Any,
+             fill: Any) -> tuple[Harness, SaveCounter]:
+    """The engine model over a real store; ``fill`` writes a block's bytes."""
+    saves = SaveCounter()
+    harness = Harness(config, variant, num_blocks=num_blocks, store=store, token_budget=64,
+                      record=False, keep_finished=False, auto_preempt=True, sink=saves)
+    harness.pool.on_write = fill
+    return harness, saves
+
+
 def run_real(
     store: MooncakeStore,
     arrivals: Sequence[tuple[str, Sequence[int], int]],
@@ -254,20 +271,10 @@ def run_real(
                  heads=heads, head_dim=head_dim, device=device, put_step=config.put_step)
     with registered(store, kv.tensors()):
         real = RealStore(store, kv)
-        saves = SaveCounter()
-        harness = Harness(config, variant, num_blocks=num_blocks,
-                          store=real,  # type: ignore[arg-type]
-                          token_budget=64, record=False, keep_finished=False,
-                          auto_preempt=True, sink=saves)
-        harness.pool.on_write = kv.fill
+        harness, saves = _harness(config, variant, num_blocks, real, kv.fill)
         seconds = _drive(harness, arrivals, steps_per_arrival)
         verified = verify(store, kv, real.written)
-    totals = {"puts": real.puts, "put_bytes": real.put_bytes, "exists_calls": real.exists_calls,
-              "exists_keys": real.exists_keys, "dedup_hits": real.dedup_hits,
-              "loads": real.loads, "load_bytes": real.load_bytes,
-              "load_mismatches": real.load_mismatches, "keys_written": len(real.written),
-              "errors": dict(real.errors)}
-    return _result(harness, arrivals, totals, verified, seconds, saves.figures())
+    return _result(harness, arrivals, real.totals(), verified, seconds, saves.figures())
 
 
 def run_real_processes(
@@ -290,12 +297,7 @@ def run_real_processes(
                           num_blocks, config.block_size, heads=heads, head_dim=head_dim,
                           timeout=timeout)
     try:
-        saves = SaveCounter()
-        harness = Harness(config, variant, num_blocks=num_blocks,
-                          store=ranks,  # type: ignore[arg-type]
-                          token_budget=64, record=False, keep_finished=False,
-                          auto_preempt=True, sink=saves)
-        harness.pool.on_write = ranks.fill
+        harness, saves = _harness(config, variant, num_blocks, ranks, ranks.fill)
         seconds = _drive(harness, arrivals, steps_per_arrival)
         verified = ranks.verify()
         per_rank = ranks.stats()
