@@ -74,7 +74,6 @@ from typing import Any
 
 import attrs
 
-from kvstate.block_pool import BlockPool
 from kvstate.config import ConnectorConfig, Role
 from kvstate.executor import Executor
 from kvstate.harness import Harness
@@ -496,7 +495,6 @@ class Result:
     exhaustive: bool = False
     quiet_states: int = 0
     violation: Violation | None = None
-    coverage: dict[str, set[tuple[str, str]]] = attrs.Factory(dict)
 
     @property
     def ok(self) -> bool:
@@ -525,7 +523,6 @@ def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = Non
     key = _key(start, reduce)
     parents: dict[bytes, tuple[bytes, Action] | None] = {key: None}
     frontier: deque[tuple[bytes, bytes, int]] = deque([(key, _dumps(start), 0)])
-    seen_pairs: set[tuple[str, str, str]] = set()
     started = time.perf_counter()
     last_report = started
     while frontier:
@@ -570,7 +567,6 @@ def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = Non
             last_report = time.perf_counter()
             result.states, result.seconds = len(parents), last_report - started
             progress(result)
-    del seen_pairs
     result.states = len(parents)
     result.seconds = time.perf_counter() - started
     result.exhaustive = not frontier and result.violation is None
@@ -641,4 +637,4 @@ def format_action(action: Action) -> str:
     return " ".join(map(str, action))
 
 
-__all__ = ["SCOPES", "BlockId", "BlockPool", "Result", "Scope", "check", "digest"]
+__all__ = ["SCOPES", "BlockId", "Result", "Scope", "ScopeRequest", "check", "digest"]
