@@ -111,8 +111,8 @@ class RankProcesses:
                 child.close()
                 self.conns.append(parent)
                 self.procs.append(proc)
-            self.pids = [self._answer(rank, start_timeout)
-                         for rank in range(world_size)]
+            for rank in range(world_size):
+                self._answer(rank, start_timeout)  # "ready" and the pid
         except BaseException:
             self.close()
             raise

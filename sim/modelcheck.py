@@ -442,12 +442,6 @@ def apply(scope: Scope, s: System, action: Action, symmetric: set[int]) -> None:
     s.answers.reset()
 
 
-def quiet(s: System) -> bool:
-    h = s.h
-    return not h.requests and not h.outbox and not h.current and not any(
-        e.queue for e in h.ranks) and all(s.admitted)
-
-
 def digest(s: System) -> bytes:
     h = s.h
     buf = io.BytesIO()
