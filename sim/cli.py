@@ -288,7 +288,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if not args.json:
             print("bug-finding power: each variant against the simulator campaign, the "
-                  "Hypothesis CI profile and the model checker (first violation each)")
+                  "Hypothesis CI profile and the model checker, checking the variant's own "
+                  "invariants (first violation each)")
         tools = bench_tools(args.tool_protocol, sim_budget=5 if args.quick else 30,
                             mc_budget=10 if args.quick else 60, out_dir=args.out_dir,
                             progress=show)

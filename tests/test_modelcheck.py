@@ -187,3 +187,14 @@ def test_model_checker_finds_the_variants_own_bug(variant: str, tmp_path) -> Non
     assert r.violation is not None, f"{variant} survived scope {SCOPE_FINDS[variant]}"
     assert r.violation.invariant in own
     assert r.violation.trace is not None and replay_trace(r.violation.trace).ok
+
+
+def test_bench_tools_fills_a_variants_row(tmp_path, capsys) -> None:
+    from kvstate.invariants import broken_by
+
+    assert main(["bench", "tools", "--quick", "--tool-protocol", "e1", "--json",
+                 "--out-dir", str(tmp_path)]) == 0
+    row = json.loads(capsys.readouterr().out)["tools"]["e1"]
+    for tool in ("sim", "hypothesis", "modelcheck"):
+        assert row[tool]["found"] in broken_by("e1"), (tool, row[tool])
+        assert row[tool]["length"] > 0
