@@ -35,7 +35,6 @@ class RankProcessError(RuntimeError):
 @attrs.frozen
 class RankSpec:
     rank: int
-    world_size: int
     put_step: int
     groups: int
     num_blocks: int
@@ -103,8 +102,8 @@ class RankProcesses:
         try:
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
-                spec = RankSpec(rank, world_size, put_step, groups, num_blocks, block_size,
-                                heads, head_dim, timeout, fields)
+                spec = RankSpec(rank, put_step, groups, num_blocks, block_size, heads,
+                                head_dim, timeout, fields)
                 proc = ctx.Process(target=_serve, args=(child, spec), daemon=True,
                                    name=f"kvstate-rank{rank}")
                 proc.start()

@@ -39,6 +39,14 @@ class Coverage:
 
 
 _active: list[Coverage] = []
+_PLAIN_FIRE = Machine.fire
+
+
+def _recording_fire(self: Machine[Any, Any], key: Any, state: Any, event: Any) -> Any:
+    nxt = _PLAIN_FIRE(self, key, state, event)
+    for target in _active:
+        target.fired.add((self.name, state, event))
+    return nxt
 
 
 @contextmanager
@@ -46,15 +54,8 @@ def recording(into: Coverage | None = None) -> Iterator[Coverage]:
     """Record every transition fired inside the block (nests; not thread-safe
     across concurrent recorders, which no driver uses)."""
     cov = into if into is not None else Coverage()
-    plain = Machine.fire
     if not _active:
-        def fire(self: Machine[Any, Any], key: Any, state: Any, event: Any) -> Any:
-            nxt = plain(self, key, state, event)
-            for target in _active:
-                target.fired.add((self.name, state, event))
-            return nxt
-
-        Machine.fire = fire  # type: ignore[method-assign]
+        Machine.fire = _recording_fire  # type: ignore[method-assign]
     _active.append(cov)
     try:
         yield cov
@@ -62,9 +63,6 @@ def recording(into: Coverage | None = None) -> Iterator[Coverage]:
         _active.remove(cov)
         if not _active:
             Machine.fire = _PLAIN_FIRE  # type: ignore[method-assign]
-
-
-_PLAIN_FIRE = Machine.fire
 
 
 @attrs.frozen
@@ -105,6 +103,11 @@ def summarize(cov: Coverage, machines: Iterable[Machine[Any, Any]] = MACHINES) -
         out.append(MachineCoverage(machine.name, len(table), len(table) - len(unseen), unseen,
                                    outcomes, outcomes_seen, tuple(missing)))
     return out
+
+
+def never_fired(rows: list[MachineCoverage]) -> dict[str, list[list[str]]]:
+    """Per machine, the (state, event) entries no run fired (for JSON)."""
+    return {r.machine: [list(pair) for pair in r.unseen] for r in rows}
 
 
 def format_table(rows: list[MachineCoverage], *, unseen: bool = True) -> str:

@@ -421,23 +421,17 @@ def bench_variants(trials: int = 5, budget: float = 60.0) -> dict[str, Any]:
 TOOL_SCOPES = ("tiny", "load", "pd", "mla", "twins", "decode", "default", "churn")
 
 
-def targets(variant: str) -> tuple[str, ...]:
-    """The characteristic invariants of ``variant`` (`kvstate.invariants.broken_by`)."""
-    from kvstate.invariants import broken_by
-
-    return broken_by(variant)
-
-
 def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0,
                 mc_budget: float = 60.0, out_dir: str = ".",
                 progress: Any = None) -> dict[str, Any]:
     """Per variant and tool: whether the tool finds the variant's *own* bug
-    (one of its characteristic invariants, `targets`: every E2-based mutant
+    (one of its characteristic invariants, `kvstate.invariants.broken_by`: every E2-based mutant
     also has e2's bugs, which would otherwise be found first), seconds to find,
     and the counterexample's length — the simulator's in observations (not
     shrunk), Hypothesis's CI profile in rules after shrinking, the model
     checker's in actions (shortest, breadth-first). ``kvstate`` itself is run
     with every invariant on and must survive all three."""
+    from kvstate.invariants import broken_by
     from kvstate.variants import VARIANTS
     from sim.campaign import campaign
     from sim.fuzz import fuzz_ci
@@ -445,8 +439,8 @@ def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0
 
     out: dict[str, Any] = {}
     for name in protocols or list(VARIANTS):
-        row: dict[str, Any] = {"targets": list(targets(name))}
-        only = targets(name) or None
+        row: dict[str, Any] = {"targets": list(broken_by(name))}
+        only = broken_by(name) or None
         c = campaign(name, budget=sim_budget, stop_when=only or ())
         hits = [i for i in (only or c.first_found) if i in c.first_found]
         if hits:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from kvstate.invariants import INVARIANTS
 from kvstate.variants import VARIANTS
 
@@ -134,12 +136,9 @@ def cmd_diagram(args: argparse.Namespace) -> int:
     machine = MACHINES_BY_NAME[args.machine]
     if args.coverage:
         from kvstate.coverage import summarize
-        from sim.coverage import CoverageError, trace_coverage
+        from sim.coverage import trace_coverage
 
-        try:
-            cov = trace_coverage(args.coverage)
-        except CoverageError as exc:
-            raise UsageError(str(exc)) from None
+        cov = trace_coverage(args.coverage)
         text = to_mermaid(machine, coverage=cov.pairs(machine))
         (row,) = summarize(cov, [machine])
         missing = [f"{s} --{e.lower()}-->" for s, e in row.unseen]
@@ -156,19 +155,12 @@ def cmd_diagram(args: argparse.Namespace) -> int:
 
 def cmd_coverage(args: argparse.Namespace) -> int:
     from kvstate.coverage import format_table, summarize
-    from sim.coverage import CoverageError, trace_coverage
+    from sim.coverage import trace_coverage
 
-    try:
-        cov = trace_coverage(args.traces)
-    except CoverageError as exc:
-        raise UsageError(str(exc)) from None
-    rows = summarize(cov)
+    rows = summarize(trace_coverage(args.traces))
     if args.json:
-        print(json.dumps({"ok": True, "violations": [], "machines": [
-            {"machine": r.machine, "entries": r.entries, "seen": r.seen,
-             "unseen": [list(p) for p in r.unseen], "guard_outcomes": r.guard_outcomes,
-             "guard_outcomes_seen": r.guard_outcomes_seen,
-             "unseen_guard_outcomes": list(r.unseen_guards)} for r in rows]}, sort_keys=True))
+        print(json.dumps({"ok": True, "violations": [],
+                          "machines": [attrs.asdict(r) for r in rows]}, sort_keys=True))
         return 0
     print(f"coverage of {len(args.traces)} trace(s), replayed through the tables")
     print(format_table(rows))
@@ -176,7 +168,7 @@ def cmd_coverage(args: argparse.Namespace) -> int:
 
 
 def cmd_modelcheck(args: argparse.Namespace) -> int:
-    from kvstate.coverage import Coverage, format_table, recording, summarize
+    from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
     from sim.modelcheck import SCOPES, check, format_action
 
     names = list(SCOPES) if args.scope == "all" else [args.scope]
@@ -220,8 +212,7 @@ def cmd_modelcheck(args: argparse.Namespace) -> int:
                       "transitions": r.transitions, "depth": r.depth,
                       "seconds": round(r.seconds, 3), "exhaustive": r.exhaustive,
                       "states_per_second": round(r.states_per_second)} for r in runs],
-            "never_fired": {r.machine: [list(p) for p in r.unseen] for r in rows}},
-            sort_keys=True))
+            "never_fired": never_fired(rows)}, sort_keys=True))
     else:
         print("\ntable entries fired during the exploration:")
         print(format_table(rows, unseen=False))
@@ -648,7 +639,7 @@ def cmd_campaign(args: argparse.Namespace) -> int:
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
-    from kvstate.coverage import Coverage, format_table, recording, summarize
+    from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
     from sim.fuzz import fuzz
 
     cov = Coverage()
@@ -666,8 +657,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             "runs": [{"protocol": r.protocol, "rounds": r.rounds, "seconds": r.seconds,
                       "invariant": r.invariant, "rules": r.rules, "trace": r.trace}
                      for r in results],
-            "never_fired": {r.machine: [list(p) for p in r.unseen] for r in rows_cov}},
-            sort_keys=True))
+            "never_fired": never_fired(rows_cov)}, sort_keys=True))
         return 0 if ok else 1
     rows = [["protocol", "rounds", "seconds", "found", "shrunk rules", "trace"]]
     for r in results:
@@ -753,6 +743,15 @@ def cmd_real(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _add_protocols(parser: argparse.ArgumentParser, *, budget: bool = True) -> None:
+    """``--protocol`` (repeatable) and, for the searches, ``--budget`` per protocol."""
+    parser.add_argument("--protocol", type=_protocol, action="append",
+                        help="variant (repeatable; default: kvstate)")
+    if budget:
+        parser.add_argument("--budget", type=_positive_float, default=60.0,
+                            help="seconds per protocol")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -808,9 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
     mini.set_defaults(func=cmd_minimize)
 
     fz = sub.add_parser("fuzz", help="Hypothesis stateful fuzzing with a time budget")
-    fz.add_argument("--protocol", type=_protocol, action="append",
-                    help="variant (repeatable; default: kvstate)")
-    fz.add_argument("--budget", type=_positive_float, default=60.0, help="seconds per protocol")
+    _add_protocols(fz)
     fz.add_argument("--examples", type=_positive_int, default=200, help="programs per round")
     fz.add_argument("--steps", type=_positive_int, default=50, help="rules per program")
     fz.add_argument("--out-dir", default=".", help="where counterexample traces go")
@@ -824,9 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
     fz.set_defaults(func=cmd_fuzz)
 
     camp = sub.add_parser("campaign", help="many seeds per protocol; what each violates")
-    camp.add_argument("--protocol", type=_protocol, action="append",
-                      help="variant (repeatable; default: kvstate)")
-    camp.add_argument("--budget", type=_positive_float, default=60.0, help="seconds per protocol")
+    _add_protocols(camp)
     camp.add_argument("--seeds", type=_positive_int, default=None,
                       help="run exactly this many seeds instead of a time budget")
     camp.add_argument("--seed", type=_nonneg_int, default=0, help="first seed")
@@ -896,8 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "small scope; shortest counterexample as a trace")
     mc.add_argument("--scope", default="default",
                     help="tiny, default, twins, mla, pd, large, or all (default: default)")
-    mc.add_argument("--protocol", type=_protocol, action="append",
-                    help="variant (repeatable; default: kvstate)")
+    _add_protocols(mc, budget=False)
     mc.add_argument("--budget", type=_positive_float, default=None,
                     help="stop after this many seconds (then not exhaustive)")
     mc.add_argument("--max-states", type=_positive_int, default=None)
@@ -917,11 +911,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from kvstate.trace import TraceError
+    from sim.coverage import CoverageError
     from sim.workloads import WorkloadError
 
     try:
         return int(args.func(args))
-    except (UsageError, TraceError, WorkloadError) as exc:
+    except (UsageError, TraceError, WorkloadError, CoverageError) as exc:
         print(f"kvstate {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -31,9 +31,10 @@ class FuzzResult:
         return self.invariant is None
 
 
-# Engine shapes the machine runs in (the campaign varies the same ones): every
-# rank stores its own heads; MLA-style striding, each chunk stored by one rank;
-# a decode node of a P/D pair whose prompts arrive from a prefill node.
+# Engine shapes the machine runs in: every rank stores its own heads; MLA-style
+# striding, each chunk stored by one rank (as the campaign varies it); a decode
+# node of a P/D pair whose prompts arrive from a prefill node; and one prompt
+# family, so lookups hit.
 PROFILES: dict[str, dict[str, Any]] = {
     "both": {},
     "striding": {"put_step": 2},

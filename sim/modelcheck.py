@@ -442,12 +442,17 @@ def apply(scope: Scope, s: System, action: Action, symmetric: set[int]) -> None:
     s.answers.reset()
 
 
+def _constants(s: System) -> dict[int, str]:
+    """Objects written as a tag: shared, immutable, or written separately."""
+    h = s.h
+    return {id(h): "harness", id(h.config): "config", id(h.variant): "variant",
+            id(h.pool): "pool", id(s.answers): "answers", id(h.monitor.config): "config"}
+
+
 def digest(s: System) -> bytes:
     h = s.h
     buf = io.BytesIO()
-    constants = {id(h): "harness", id(h.config): "config", id(h.variant): "variant",
-                 id(h.pool): "pool", id(s.answers): "answers", id(h.monitor.config): "config"}
-    p = CanonicalPickler(buf, constants)
+    p = CanonicalPickler(buf, _constants(s))
     p.dump((
         tuple(h.requests.items()), tuple(r.req_id for r in h.running),
         tuple(r.req_id for r in h.waiting), h.outbox, tuple(sorted(h.current.items())),
@@ -537,7 +542,7 @@ def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = Non
             result.transitions += 1
             if s.h.monitor.findings:
                 result.violation = _violation(scope, protocol, parents, key, action, s,
-                                              out_dir, reduce)
+                                              out_dir)
                 break
             child = _key(s, reduce)
             if child != key:
@@ -555,7 +560,7 @@ def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = Non
             s.h.quiesce()
             if s.h.monitor.findings:
                 result.violation = _violation(scope, protocol, parents, key, ("quiesce",), s,
-                                              out_dir, reduce)
+                                              out_dir)
                 break
         if progress is not None and time.perf_counter() - last_report > 5:
             last_report = time.perf_counter()
@@ -570,12 +575,11 @@ def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = Non
 def _key(s: System, reduce: bool) -> bytes:
     if reduce:
         return digest(s)
-    # Unreduced: the full state as pickled, only statistics left out.
+    # Unreduced: the full state as pickled (the pool by block id), only
+    # statistics left out.
     buf = io.BytesIO()
     h = s.h
-    constants = {id(h): "harness", id(h.config): "config", id(h.variant): "variant",
-                 id(s.answers): "answers", id(h.monitor.config): "config"}
-    p = CanonicalPickler(buf, constants)
+    p = CanonicalPickler(buf, _constants(s))
     p.dump((h.requests, [r.req_id for r in h.running], [r.req_id for r in h.waiting],
             h.outbox, sorted(h.current.items()), h.planner, h.ranks, h.store, h.monitor,
             h.now, h.pool.refs, h.pool.content, h.pool.free, s.admitted, s.faults, s.evictions,
@@ -594,13 +598,12 @@ def path_to(parents: dict[bytes, tuple[bytes, Action] | None], key: bytes) -> li
 
 
 def _violation(scope: Scope, protocol: str, parents: dict[bytes, tuple[bytes, Action] | None],
-               key: bytes, action: Action, s: System, out_dir: str | None,
-               reduce: bool) -> Violation:
+               key: bytes, action: Action, s: System, out_dir: str | None) -> Violation:
     first = s.h.monitor.findings[0]
     actions = (*path_to(parents, key), action)
     trace = None
     if out_dir is not None:
-        text = replay_actions(scope, protocol, actions, reduce=reduce)
+        text = replay_actions(scope, protocol, actions)
         name = hashlib.sha256(text.encode()).hexdigest()[:12]
         folder = Path(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -610,8 +613,7 @@ def _violation(scope: Scope, protocol: str, parents: dict[bytes, tuple[bytes, Ac
     return Violation(first.invariant, first.message, actions, trace)
 
 
-def replay_actions(scope: Scope, protocol: str, actions: tuple[Action, ...], *,
-                   reduce: bool = True) -> str:
+def replay_actions(scope: Scope, protocol: str, actions: tuple[Action, ...]) -> str:
     """Re-run ``actions`` on a recording harness; the kvstate trace text."""
     # Plain ints and names: the renamings change no decision, and a trace
     # holds plain values.
@@ -624,7 +626,7 @@ def replay_actions(scope: Scope, protocol: str, actions: tuple[Action, ...], *,
         else:
             apply(scope, s, action, symmetric)
     return s.h.trace_text(source="kvstate modelcheck", scope=scope.name,
-                          actions=[" ".join(map(str, a)) for a in actions])
+                          actions=[format_action(a) for a in actions])
 
 
 def format_action(action: Action) -> str:

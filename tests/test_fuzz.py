@@ -8,10 +8,11 @@ from hypothesis.errors import Flaky
 
 from kvstate.testing import ConnectorMachine
 from kvstate.variants import VARIANTS
+from sim.fuzz import CI_EXAMPLES, CI_STEPS, machine_for
 from sim.replay import replay_trace
 
-CI = settings(max_examples=60, stateful_step_count=40, derandomize=True, deadline=None,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+CI = settings(max_examples=CI_EXAMPLES, stateful_step_count=CI_STEPS, derandomize=True,
+              deadline=None, suppress_health_check=list(HealthCheck), print_blob=False)
 
 
 class DefaultProtocol(ConnectorMachine):
@@ -20,10 +21,6 @@ class DefaultProtocol(ConnectorMachine):
 
 TestDefaultProtocol = DefaultProtocol.TestCase
 TestDefaultProtocol.settings = CI
-
-
-def machine_for(variant: str) -> type[ConnectorMachine]:
-    return type(f"Machine_{variant}", (ConnectorMachine,), {"variant": variant})
 
 
 @pytest.mark.parametrize("variant", [

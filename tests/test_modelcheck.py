@@ -52,23 +52,27 @@ def test_a_state_survives_a_pickle_copy_unchanged_in_behaviour() -> None:
     behaviour after a copy. Same random walk, with and without copies."""
     import random
 
-    for seed in range(6):
-        walks = []
-        for copy in (False, True):
-            rng = random.Random(seed)
-            s = initial(REUSE, "kvstate", reduce=False)
-            s.h.record = True
-            for _ in range(40):
-                actions = enabled(REUSE, s)
-                if not actions:
-                    break
-                if copy:
-                    log, times = s.h.log, s.h.times
-                    s = pickle.loads(pickle.dumps(s))
-                    s.h.log, s.h.times = log, times
-                apply(REUSE, s, rng.choice(actions), set())
-            walks.append(s.h.trace_text())
-        assert walks[0] == walks[1], f"seed {seed}: a pickled copy behaved differently"
+    # Walks run to the end and quiesce: the id()-keyed skip table showed as a
+    # skipped entry left at quiescence in 2 of these 30 tiny walks.
+    for scope in (TINY, REUSE):
+        for seed in range(30):
+            walks = []
+            for copy in (False, True):
+                rng = random.Random(seed)
+                s = initial(scope, "kvstate", reduce=False)
+                s.h.record = True
+                for _ in range(200):
+                    actions = enabled(scope, s)
+                    if not actions:
+                        break
+                    if copy:
+                        log, times = s.h.log, s.h.times
+                        s = pickle.loads(pickle.dumps(s))
+                        s.h.log, s.h.times = log, times
+                    apply(scope, s, rng.choice(actions), set())
+                s.h.quiesce()
+                walks.append(s.h.trace_text())
+            assert walks[0] == walks[1], f"{scope.name} seed {seed}: a copy behaved differently"
 
 
 @pytest.mark.parametrize("protocol", ["kvstate", "e1"])
