@@ -166,6 +166,8 @@ class Executor:
                 self.skipped.pop(entry, None)
             else:
                 job.state = JOB.fire(key, job.state, _JE.SKIP_FOR_PRESSURE)
+                if self.variant.skip_keeps_retry:
+                    self._hold_retry(job)
                 return self._report(job, entry)
 
         masks = store_mask(config, token_len, save_start) if self._masked else self._no_masks
@@ -285,7 +287,8 @@ class Executor:
                 entry.record_saved(job.token_len)
                 self._written(job, "offset", job.token_len, entry)
         self.variant.retry.put(self, entry, meta, None)
-        if self.pressure is PressureState.PRESSURED or self.skipped:
+        if (self.pressure is PressureState.PRESSURED or self.skipped) and \
+                self.variant.success_clears_pressure(bool(put)):
             self.pressure = PRESSURE.fire(self.rank, self.pressure, PressureEvent.PUT_SUCCEEDED)
             for skipped in self.skipped.values():
                 skipped.clear_skip(expired=False)

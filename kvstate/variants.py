@@ -219,6 +219,19 @@ def backoff_never(skipped_since: float, now: float, backoff: float) -> bool:
     return False
 
 
+def any_success_clears(put_something: bool) -> bool:
+    """kvstate: any job that ends with its range in the store (put, found
+    present, or nothing to store) shows the store accepts writes again."""
+    return True
+
+
+def only_a_put_clears(put_something: bool) -> bool:
+    """Upstream: only a successful put batch clears the pressure flag and the
+    skip set; a job whose keys were all present leaves both set (vLLM 0.33.0
+    ``_handle_request``: ``_clear_store_pressure`` runs only after the put)."""
+    return put_something
+
+
 def offset_to_first_failure(old: int, first_failed: int, token_len: int) -> int:
     """kvstate: after a partial failure the rank has really saved every chunk
     it owes below the first failed one, so it resumes there — the next job
@@ -346,6 +359,11 @@ class Variant:
     event_chunks: Callable[[Sequence[int], Sequence[int]], list[int]] = events_for_stored_prefix
     retry: Any = GuardedRetry
     skip_expired: Callable[[float, float, float], bool] = backoff_expires
+    success_clears_pressure: Callable[[bool], bool] = any_success_clears
+    # Upstream's ``finally`` keeps a pressure-skipped job's token suffix as retry
+    # state (the skip counts as a failed save), so the next live job's events
+    # still carry the skipped range's tokens; kvstate's default drops it there.
+    skip_keeps_retry: bool = False
     stride_origin: Callable[[int], int] = stride_absolute
     exists_keys: Callable[[tuple[str, ...]], tuple[str, ...]] = check_all
     after_raise: Callable[[Any], Any] = report_after_raise
@@ -382,6 +400,8 @@ E2 = attrs.evolve(
     event_chunks=events_for_puts,
     ledger=RequestIdLedger,
     skip_expired=backoff_never,
+    success_clears_pressure=only_a_put_clears,
+    skip_keeps_retry=True,
     offset_after_failure=offset_kept,
     call_timeout=None,
 )
