@@ -1,0 +1,946 @@
+"""Differential conformance: vLLM 0.33.0's shipped MooncakeStore bookkeeping against
+kvstate's protocol variant ``e2``, step by step, on one schedule.
+
+Theory of operation
+-------------------
+One small engine (``Engine``) plays vLLM's scheduler: it holds real vLLM
+``Request`` objects (so block hashes are the engine's own sha256 chain), allocates
+blocks from a real vLLM ``BlockPool`` and, each step, writes the *same* schedule
+twice: as vLLM's ``SchedulerOutput`` (``NewRequestData`` / ``CachedRequestData``,
+preempted and finished ids, the current block tables) and as kvstate's
+``SchedulerStep``.
+
+Upstream side: the shipped ``MooncakeStoreConnector`` in the scheduler role (its
+``MooncakeStoreScheduler`` pins through the real block pool), and per rank the
+shipped connector and ``MooncakeStoreWorker`` methods (``wait_for_save``,
+``get_finished``, ``build_connector_worker_meta``, the KV-event container) around a
+``KVCacheStoreSendingThread`` that is never started: the harness pops its queue and
+calls ``_handle_request`` itself, so every interleaving is the scenario's choice.
+Worker outputs go through vLLM's own ``KVOutputAggregator``. The rank's Mooncake
+client is a scripted in-memory store (``StoreClient``) that decodes each put's
+buffer address back into the engine block it reads.
+
+kvstate side: ``Planner`` and one ``Executor`` per rank, driven through their
+sans-IO calls against an identical scripted store.
+
+A step is: schedule → scheduler metadata → every rank takes it (enqueue, retire
+ended requests) → the *send-thread window* (which rank runs how many jobs, which
+blocked put returns: the scenario says) → worker metadata, aggregation, pin
+releases and published events → sampled tokens, finishes. After every step the
+harness compares, in causal order, save jobs, each rank's store calls (keys,
+answers, blocks read), completions, emitted KV events, rank state (ledger, saved
+offsets, skip set, pressure flag, retry suffix), pins, block reference counts and
+published events, and records every difference as a ``Divergence`` naming the
+step, the rank and the field. Job ids are normalised (upstream counts from 0,
+kvstate from 1); nothing else is.
+
+A put that blocks is the one place where a send thread must be *inside* a store
+call while the engine keeps stepping. Upstream's job then runs on a helper thread
+with a strict hand-off (the main thread waits until the job either finishes or
+parks in the store), so only one side ever runs and the result stays
+deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import os
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import attrs
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (  # noqa: E402
+    worker as upstream_worker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (  # noqa: E402
+    MooncakeStoreConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (  # noqa: E402
+    ChunkedTokenDatabase,
+    KeyMetadata,
+    ReqMeta,
+)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+    maybe_convert_block_hash,
+)
+from vllm.v1.core.sched.output import (  # noqa: E402
+    CachedRequestData,
+    KVConnectorBlockState,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvstate.config import ConnectorConfig  # noqa: E402
+from kvstate.executor import Executor, RankJob  # noqa: E402
+from kvstate.planner import Planner  # noqa: E402
+from kvstate.records import (  # noqa: E402
+    CachedRequest,
+    ExistsCall,
+    NewRequest,
+    PutCall,
+    Report,
+    ResumedRequest,
+    SchedulerStep,
+)
+from kvstate.tables import PressureState  # noqa: E402
+from kvstate.variants import Variant, get_variant  # noqa: E402
+
+MODEL = "tiny-llama"
+# kvstate numbers store jobs from 1, vLLM from 0: kvstate id - JOB_ID_SHIFT = upstream id.
+JOB_ID_SHIFT = 1
+ALL = -1  # "run every queued job" in a send-thread window
+
+init_none_hash(sha256)
+
+
+# --------------------------------------------------------------------------
+# Records.
+
+
+@attrs.frozen(slots=True)
+class Divergence:
+    """The first place two implementations of one protocol part ways."""
+
+    step: int
+    rank: int | None
+    field: str
+    upstream: Any
+    kvstate: Any
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" + (f", rank {self.rank}" if self.rank is not None else "")
+        return (f"{where}, {self.field}:\n  upstream: {self.upstream!r}\n"
+                f"  kvstate:  {self.kvstate!r}")
+
+
+@attrs.frozen(slots=True)
+class Fault:
+    """One scripted store answer: the ``nth`` call of ``op`` on ``rank`` (1-based,
+    counted per side) answers ``code`` for every key, or only for key ``index``
+    (a partial failure), or raises, or blocks until the scenario releases it."""
+
+    op: str  # "exists" | "put"
+    rank: int
+    nth: int
+    code: int = 0
+    index: int | None = None
+    raises: bool = False
+    blocks: bool = False
+
+
+@attrs.frozen(slots=True)
+class StoreCall:
+    op: str
+    keys: tuple[str, ...]
+    answers: tuple[Any, ...]  # exists: 1/0 per key; put: code per key; ("raised",) when it raised
+    blocks: tuple[int, ...] = ()  # put: the engine block each key was read from
+
+
+class StoreRaised(RuntimeError):
+    """What a scripted store call raises (a failed RPC)."""
+
+
+# --------------------------------------------------------------------------
+# The scripted store: one backing per side, one client per rank.
+
+
+class StoreBacking:
+    """First write wins, like Mooncake; content is the engine block the put read."""
+
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        self.objects: dict[str, int] = {}
+        self.faults = list(faults)
+        self.counts: dict[tuple[str, int], int] = {}
+        self.calls: dict[int, list[StoreCall]] = {}
+
+    def fault_for(self, op: str, rank: int) -> Fault | None:
+        n = self.counts[(op, rank)] = self.counts.get((op, rank), 0) + 1
+        for fault in self.faults:
+            if fault.op == op and fault.rank == rank and fault.nth == n:
+                return fault
+        return None
+
+    def log(self, rank: int, call: StoreCall) -> None:
+        self.calls.setdefault(rank, []).append(call)
+
+    def exists(self, rank: int, keys: Sequence[str], fault: Fault | None) -> list[int]:
+        if fault is not None and fault.raises:
+            self.log(rank, StoreCall("exists", tuple(keys), ("raised",)))
+            raise StoreRaised(f"scripted batch_is_exist failure on rank {rank}")
+        answers = [1 if k in self.objects else 0 for k in keys]
+        self.log(rank, StoreCall("exists", tuple(keys), tuple(answers)))
+        return answers
+
+    def put(self, rank: int, keys: Sequence[str], blocks: Sequence[int],
+            fault: Fault | None) -> list[int]:
+        if fault is not None and fault.raises:
+            self.log(rank, StoreCall("put", tuple(keys), ("raised",), tuple(blocks)))
+            raise StoreRaised(f"scripted batch_put failure on rank {rank}")
+        codes = []
+        for i, (key, block) in enumerate(zip(keys, blocks)):
+            code = 0
+            if fault is not None and (fault.index is None or fault.index == i):
+                code = fault.code
+            if code == 0:
+                self.objects.setdefault(key, block)
+            codes.append(code)
+        self.log(rank, StoreCall("put", tuple(keys), tuple(codes), tuple(blocks)))
+        return codes
+
+
+class Gate:
+    """A put that blocks: the store parks the caller until ``release``."""
+
+    def __init__(self) -> None:
+        self.parked = threading.Event()
+        self.go = threading.Event()
+
+
+class StoreClient:
+    """Stands in for ``MooncakeDistributedStore`` on one upstream rank."""
+
+    def __init__(self, backing: StoreBacking, rank: int) -> None:
+        self.backing = backing
+        self.rank = rank
+        self.gate: Gate | None = None
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return self.backing.exists(self.rank, keys, self.backing.fault_for("exists", self.rank))
+
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]], config: Any
+    ) -> list[int]:
+        fault = self.backing.fault_for("put", self.rank)
+        if fault is not None and fault.blocks:
+            gate = self.gate = Gate()
+            gate.parked.set()
+            gate.go.wait()
+            fault = None
+        # The token database lays block b of every layer at address b (block_len 1).
+        return self.backing.put(self.rank, keys, [a[0] for a in addrs], fault)
+
+
+# --------------------------------------------------------------------------
+# The engine: one schedule, written for both sides.
+
+
+class EngineRequest:
+    def __init__(self, req: Request, max_tokens: int) -> None:
+        self.req = req
+        self.max_tokens = max_tokens
+        self.blocks: list[int] = []
+        self.status = "waiting"  # waiting | running | preempted | finished
+        self.resume = False
+        self.sent_hashes = 0
+        self.scheduled = 0  # tokens scheduled in the current step
+
+    @property
+    def req_id(self) -> str:
+        return self.req.request_id
+
+
+def sampled_token(req_id: str, position: int) -> int:
+    """Deterministic "sampled" token ids (no global randomness)."""
+    return (sum(map(ord, req_id)) * 7919 + position * 104729) % 31991 + 1
+
+
+@attrs.frozen(slots=True)
+class Schedule:
+    upstream: SchedulerOutput
+    kvstate: SchedulerStep
+    scheduled: tuple[str, ...]
+
+
+class Engine:
+    """Waiting and running requests, chunked prefill under ``chunk`` tokens per
+    request, one decode token per step; preemption, resumption and finishes
+    happen when the scenario says. Blocks come from vLLM's ``BlockPool``, whose
+    reference counts the upstream scheduler's pins also move."""
+
+    def __init__(self, block_size: int, num_blocks: int, chunk: int) -> None:
+        self.block_size = block_size
+        self.chunk = chunk
+        self.pool = BlockPool(num_blocks, enable_caching=False, hash_block_size=block_size)
+        self.hasher = get_request_block_hasher(block_size, sha256)
+        self.requests: dict[str, EngineRequest] = {}
+        self.finished_ids: set[str] = set()
+        # What the engine itself holds per block (kvstate's pins are compared on top).
+        self.engine_refs: dict[int, int] = {}
+
+    def add(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> Request:
+        old = self.requests.get(req_id)
+        if old is not None and old.status != "finished":
+            raise ValueError(f"request {req_id!r} is still {old.status}")
+        req = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens), None,
+                      block_hasher=self.hasher)
+        self.requests[req_id] = EngineRequest(req, max_tokens)
+        return req
+
+    def _allocate(self, er: EngineRequest, upto_tokens: int) -> list[int]:
+        need = -(-upto_tokens // self.block_size) - len(er.blocks)
+        if need <= 0:
+            return []
+        new = [b.block_id for b in self.pool.get_new_blocks(need)]
+        for b in new:
+            self.engine_refs[b] = self.engine_refs.get(b, 0) + 1
+        er.blocks.extend(new)
+        return new
+
+    def _free(self, er: EngineRequest) -> None:
+        # vLLM frees tail first.
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(er.blocks))
+        for b in er.blocks:
+            self.engine_refs[b] -= 1
+        er.blocks = []
+
+    def schedule(self, preempt: Sequence[str], resume: Sequence[str],
+                 on_admit: Callable[[Request, int], None]) -> Schedule:
+        preempted: list[str] = []
+        for req_id in preempt:
+            er = self.requests[req_id]
+            if er.status != "running":
+                raise ValueError(f"cannot preempt {req_id!r}: it is {er.status}")
+            self._free(er)
+            er.status = "preempted"
+            er.req.num_computed_tokens = 0
+            preempted.append(req_id)
+        for req_id in resume:
+            er = self.requests[req_id]
+            if er.status != "preempted":
+                raise ValueError(f"cannot resume {req_id!r}: it is {er.status}")
+            er.status = "running"
+            er.resume = True
+
+        new_up: list[NewRequestData] = []
+        new_ks: list[NewRequest] = []
+        cached_ids: list[str] = []
+        resumed_ids: set[str] = set()
+        cached_new_blocks: list[tuple[list[int], ...] | None] = []
+        cached_computed: list[int] = []
+        cached_ks: list[CachedRequest] = []
+        resumed_ks: list[ResumedRequest] = []
+        num_scheduled: dict[str, int] = {}
+        for er in list(self.requests.values()):
+            req = er.req
+            if er.status == "waiting":
+                er.status = "running"
+                n = min(self.chunk, req.num_tokens)
+                self._allocate(er, n)
+                on_admit(req, 0)
+                num_scheduled[er.req_id] = n
+                new_up.append(NewRequestData.from_request(req, (list(er.blocks),)))
+                new_ks.append(NewRequest(
+                    er.req_id, tuple(req.prompt_token_ids or ()), 0, n, (tuple(er.blocks),),
+                    tuple(req.block_hashes)))
+                er.sent_hashes = len(req.block_hashes)
+            elif er.status == "running":
+                computed = req.num_computed_tokens
+                n = min(self.chunk, req.num_tokens - computed)
+                new_blocks = self._allocate(er, computed + n)
+                num_scheduled[er.req_id] = n
+                cached_ids.append(er.req_id)
+                cached_computed.append(computed)
+                if er.resume:
+                    er.resume = False
+                    on_admit(req, 0)
+                    resumed_ids.add(er.req_id)
+                    cached_new_blocks.append((list(er.blocks),))
+                    resumed_ks.append(ResumedRequest(
+                        er.req_id, tuple(req.all_token_ids), computed, n, (tuple(er.blocks),),
+                        tuple(req.block_hashes)))
+                    er.sent_hashes = len(req.block_hashes)
+                    continue
+                cached_new_blocks.append((new_blocks,) if new_blocks else None)
+                hashes = tuple(req.block_hashes[er.sent_hashes:])
+                er.sent_hashes = len(req.block_hashes)
+                cached_ks.append(CachedRequest(
+                    er.req_id, computed, tuple(req.all_token_ids[computed:computed + n]),
+                    (tuple(new_blocks),), hashes))
+        cached = CachedRequestData(
+            req_ids=cached_ids, resumed_req_ids=resumed_ids,
+            new_token_ids=[[] for _ in cached_ids], all_token_ids={},
+            new_block_ids=cached_new_blocks, num_computed_tokens=cached_computed,
+            num_output_tokens=[self.requests[r].req.num_output_tokens for r in cached_ids])
+        finished, self.finished_ids = self.finished_ids, set()
+        scheduled = tuple(num_scheduled)
+        block_state = KVConnectorBlockState(
+            req_ids=set(scheduled),
+            resolve_block_ids=lambda r: (list(self.requests[r].blocks),),
+            boundary_state_offloads={})
+        upstream = SchedulerOutput(
+            scheduled_new_reqs=new_up, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+            finished_req_ids=set(finished), free_encoder_mm_hashes=[],
+            preempted_req_ids=set(preempted), kv_connector_block_state=block_state)
+        kvstate = SchedulerStep(
+            new=tuple(new_ks), cached=tuple(cached_ks), resumed=tuple(resumed_ks),
+            preempted=tuple(preempted), finished=tuple(sorted(finished)))
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].scheduled = n
+        return Schedule(upstream, kvstate, scheduled)
+
+    def after_step(self, scheduled: Sequence[str], finish: Sequence[str]) -> None:
+        """The forward pass ran: computed tokens advance, a request whose known
+        tokens are all computed samples one, and finished requests free their blocks."""
+        for req_id in scheduled:
+            er = self.requests[req_id]
+            req = er.req
+            req.num_computed_tokens += er.scheduled
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_output_token_ids(sampled_token(req_id, req.num_tokens))
+                if req.num_output_tokens >= er.max_tokens:
+                    self._finish(er)
+        for req_id in finish:
+            er = self.requests[req_id]
+            if er.status in ("running", "preempted"):
+                self._finish(er)
+
+    def _finish(self, er: EngineRequest) -> None:
+        if er.status == "running":
+            self._free(er)
+        er.status = "finished"
+        self.finished_ids.add(er.req_id)
+
+
+# --------------------------------------------------------------------------
+# Upstream's worker role without a Mooncake client or a GPU.
+
+
+class HostEvent:
+    """Stands in for ``torch.cuda.Event`` (CPU tensors need no fence)."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def host_events() -> Iterator[None]:
+    """``wait_for_save`` records a CUDA event per step; a CPU build raises on
+    that, so the stand-in is installed only around the call."""
+    saved = torch.cuda.Event
+    torch.cuda.Event = HostEvent  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.Event = saved  # type: ignore[misc]
+
+
+class HostWorker(upstream_worker.MooncakeStoreWorker):
+    """``MooncakeStoreWorker`` with the attributes its save path reads, built
+    without a Mooncake client (``__init__`` would dial a master)."""
+
+    def __init__(self, thread: upstream_worker.KVCacheStoreSendingThread, tp_rank: int,
+                 enable_kv_events: bool, replication: tuple[int, ...]) -> None:
+        self._capacity_only = False
+        self.can_put = True
+        self.load_async = True
+        self.kv_recv_threads = []
+        self.finished_store_req = set()
+        self.kv_send_thread = thread
+        self.tp_rank = tp_rank
+        self.enable_kv_events = enable_kv_events
+        self._group_tp_replication_factors = replication
+        self._kv_connector_stats_lock = threading.Lock()
+        self.kv_connector_stats = upstream_worker.MooncakeStoreConnectorStats()
+
+    def close(self) -> None:
+        pass
+
+
+class UpstreamRank:
+    def __init__(self, rank: int, coord: Any, setup: Setup, backing: StoreBacking) -> None:
+        self.rank = rank
+        self.client = StoreClient(backing, rank)
+        dbs = []
+        for g in range(1):
+            db = ChunkedTokenDatabase(
+                KeyMetadata(MODEL, rank // setup.put_step, 0, 0, 0, group_id=g),
+                setup.block_size, setup.block_size)
+            db.set_kv_caches_base_addr([0])
+            db.set_block_len([1])
+            dbs.append(db)
+        self.thread = upstream_worker.KVCacheStoreSendingThread(
+            self.client, coord, dbs, setup.block_size, rank, (setup.put_step,), "kv_both",
+            threading.Event(), enable_kv_event=setup.kv_events, replicate_config=object())
+        self.worker = HostWorker(self.thread, rank, setup.kv_events, (setup.put_step,))
+        connector = MooncakeStoreConnector.__new__(MooncakeStoreConnector)
+        connector.connector_worker = self.worker
+        connector.connector_scheduler = None
+        self.connector = connector
+        self.blocked: threading.Thread | None = None
+        self.raised: list[str] = []
+
+    def run_job(self) -> bool:
+        """Pop and handle one queued job; False if none (or the thread is parked)."""
+        if self.blocked is not None or self.thread.request_queue.empty():
+            return False
+        meta = self.thread.request_queue.get_nowait()
+        done = threading.Event()
+
+        def handle() -> None:
+            try:
+                self.thread._handle_request(meta)
+            except Exception as exc:  # the thread's run loop logs and carries on
+                self.raised.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                done.set()
+
+        helper = threading.Thread(target=handle, daemon=True)
+        self.client.gate = None
+        helper.start()
+        while not done.is_set():
+            gate = self.client.gate
+            if gate is not None and gate.parked.wait(0.001):
+                self.blocked = helper
+                return True
+            done.wait(0.001)
+        helper.join()
+        return True
+
+    def release(self) -> None:
+        gate = self.client.gate
+        if self.blocked is None or gate is None:
+            raise ValueError(f"rank {self.rank} has no blocked put")
+        gate.go.set()
+        self.blocked.join()
+        self.blocked = None
+        self.client.gate = None
+
+
+# --------------------------------------------------------------------------
+# kvstate's side.
+
+
+class KvstateRank:
+    def __init__(self, executor: Executor, backing: StoreBacking) -> None:
+        self.executor = executor
+        self.backing = backing
+        self.reports: list[Report] = []
+        self.blocked: tuple[RankJob, PutCall] | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.executor.rank
+
+    def run_job(self) -> bool:
+        if self.blocked is not None:
+            return False
+        job = self.executor.dequeue()
+        if job is None:
+            return False
+        self._drive(job, self.executor.start(job))
+        return True
+
+    def _drive(self, job: RankJob, out: Any) -> None:
+        ex = self.executor
+        while out is not None and not isinstance(out, Report):
+            try:
+                if isinstance(out, ExistsCall):
+                    fault = self.backing.fault_for("exists", self.rank)
+                    answers = self.backing.exists(self.rank, out.keys, fault)
+                    out = ex.exists_answered(job, [a == 1 for a in answers])
+                else:
+                    assert isinstance(out, PutCall)
+                    fault = self.backing.fault_for("put", self.rank)
+                    if fault is not None and fault.blocks:
+                        self.blocked = (job, out)
+                        return
+                    out = ex.put_answered(job, self.backing.put(self.rank, out.keys,
+                                                                out.block_ids, fault))
+            except StoreRaised as exc:
+                out = ex.raised(job, str(exc))
+        if out is not None:
+            self.reports.append(out)
+
+    def release(self) -> None:
+        if self.blocked is None:
+            raise ValueError(f"rank {self.rank} has no blocked put")
+        job, call = self.blocked
+        self.blocked = None
+        codes = self.backing.put(self.rank, call.keys, call.block_ids, None)
+        self._drive(job, self.executor.put_answered(job, codes))
+        # A released thread goes on with its queue only when the window says so.
+
+    def take_reports(self) -> list[Report]:
+        out, self.reports = self.reports, []
+        return out
+
+
+# --------------------------------------------------------------------------
+# Normalised views (what is compared).
+
+
+def _hash(h: bytes | None) -> Any:
+    return None if h is None else maybe_convert_block_hash(h)
+
+
+def upstream_event(e: Any) -> tuple[Any, ...]:
+    return (tuple(e.block_hashes), e.parent_block_hash, tuple(e.token_ids), e.block_size,
+            e.group_idx, e.medium)
+
+
+def kvstate_event(e: Any) -> tuple[Any, ...]:
+    return (tuple(_hash(h) for h in e.block_hashes), _hash(e.parent_block_hash),
+            tuple(e.token_ids), e.block_size, e.group_idx, e.medium)
+
+
+def upstream_job(m: ReqMeta, hash_block: int) -> tuple[Any, ...]:
+    return (m.store_job_id, m.req_id, m.token_ids_start, m.token_len_chunk,
+            tuple(tuple(g) for g in m.block_ids),
+            tuple(h.hex() for h in m.block_hashes[:m.token_len_chunk // hash_block]),
+            None if m.token_ids is None else tuple(m.token_ids), m.prefill_end_tokens)
+
+
+def kvstate_job(m: Any, hash_block: int) -> tuple[Any, ...]:
+    hashes = m.block_hashes[:m.token_len // hash_block]
+    return (m.job_id - JOB_ID_SHIFT, m.req_id, m.token_ids_start, m.token_len,
+            tuple(tuple(g) for g in m.block_ids), tuple(h.hex() for h in hashes),
+            None if m.token_ids is None else tuple(m.token_ids), m.num_prompt_tokens)
+
+
+JOB_FIELDS = ("job", "request", "token_ids_start", "token_len", "block_ids", "hashes",
+              "token snapshot", "prefill_end")
+
+
+def upstream_rank_state(t: Any) -> dict[str, Any]:
+    return {
+        "ledger": {r: tuple(sorted(jobs)) for r, jobs in sorted(t.stored_requests.items())},
+        "saved offset": {r: o for r, o in sorted(t._saved_offset.items()) if o},
+        "skip set": tuple(sorted(t._skip_store_requests)),
+        "pressure": t._store_pressure_active,
+        "retry suffix": {r: (s, tuple(ids)) for r, (s, ids) in sorted(t._retry_token_ids.items())},
+    }
+
+
+def kvstate_rank_state(ex: Executor) -> dict[str, Any]:
+    entries = ex.ledger.entries  # type: ignore[attr-defined]
+    retry = {r: (e.retry[0], tuple(e.retry[1])) for r, e in entries.items() if e.retry is not None}
+    # A variant may keep retry state outside the ledger (keyed by request id).
+    retry.update((r, (v[0], tuple(v[1]))) for r, v in ex.retry_by_request.items())
+    return {
+        "ledger": {r: tuple(sorted(j - JOB_ID_SHIFT for j in e.live))
+                   for r, e in sorted(entries.items())},
+        "saved offset": {r: e.saved_offset for r, e in sorted(entries.items()) if e.saved_offset},
+        "skip set": tuple(sorted(e.req_id for e in ex.skipped)),
+        "pressure": ex.pressure is PressureState.PRESSURED,
+        "retry suffix": dict(sorted(retry.items())),
+    }
+
+
+# --------------------------------------------------------------------------
+# The run.
+
+
+@attrs.frozen(slots=True)
+class Setup:
+    world_size: int = 1
+    put_step: int = 1
+    block_size: int = 16
+    save_decode_cache: bool = False
+    kv_events: bool = False
+    chunk: int = 1 << 20  # prefill tokens per request per step
+    num_blocks: int = 128
+
+
+def vllm_config(setup: Setup) -> VllmConfig:
+    """A VllmConfig without a model: the store connector's scheduler role reads
+    only the transfer, events, parallel and cache configs."""
+    extra = {"save_decode_cache": setup.save_decode_cache, "enable_lookup": False}
+    return VllmConfig(
+        cache_config=CacheConfig(block_size=setup.block_size),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=64,
+                                         max_model_len=4096, is_encoder_decoder=False),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(kv_connector="MooncakeStoreConnector",
+                                            kv_role="kv_both", kv_connector_extra_config=extra),
+        parallel_config=ParallelConfig(tensor_parallel_size=setup.world_size),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=setup.kv_events),
+    )
+
+
+def kv_cache_config(setup: Setup) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=setup.block_size, num_kv_heads=1, head_size=8,
+                             dtype=torch.float32)
+    return KVCacheConfig(num_blocks=setup.num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+
+
+class DivergenceError(AssertionError):
+    pass
+
+
+class Conformance:
+    """See the module docstring. ``variant`` is the kvstate protocol to compare
+    (``e2`` by default; a mutant for negative controls)."""
+
+    def __init__(self, setup: Setup = Setup(), variant: str | Variant = "e2",
+                 faults: Sequence[Fault] = ()) -> None:
+        self.setup = setup
+        self.variant = get_variant(variant) if isinstance(variant, str) else variant
+        self.engine = Engine(setup.block_size, setup.num_blocks, setup.chunk)
+        self.step_no = 0
+        self.divergences: list[Divergence] = []
+        self.upstream_dead = False
+        self.published_upstream: list[tuple[Any, ...]] = []
+        self.published_kvstate: list[tuple[Any, ...]] = []
+        self.pins_released: dict[int, int] = {}  # upstream job id -> step released
+        self.thread_exceptions: list[tuple[int, int, str]] = []
+
+        vc = vllm_config(setup)
+        self.connector = MooncakeStoreConnector(vc, KVConnectorRole.SCHEDULER,
+                                                kv_cache_config(setup))
+        self.scheduler = self.connector.connector_scheduler
+        assert self.scheduler is not None
+        self.scheduler.bind_gpu_block_pool(self.engine.pool)
+        self.aggregator = KVOutputAggregator(setup.world_size)
+        self.store_up = StoreBacking(faults)
+        self.store_ks = StoreBacking(faults)
+        coord = self.scheduler._store_coord
+        self.up_ranks = [UpstreamRank(r, coord, setup, self.store_up)
+                         for r in range(setup.world_size)]
+
+        self.config = ConnectorConfig(
+            block_size=setup.block_size, world_size=setup.world_size, put_step=setup.put_step,
+            save_decode_cache=setup.save_decode_cache, enable_kv_events=setup.kv_events,
+            model_name=MODEL)
+        self.planner = Planner(self.config, self.variant)
+        self.ks_ranks = [KvstateRank(Executor(self.config, r, self.variant), self.store_ks)
+                         for r in range(setup.world_size)]
+        self.ks_refs: dict[int, int] = {}  # kvstate's pins per block
+
+    def close(self) -> None:
+        for rank in self.up_ranks:
+            if rank.blocked is not None:
+                rank.release()
+        self.scheduler.client.close()
+
+    # ------------------------------------------------------------------
+
+    def add(self, req_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
+        """A client submits a request (an id may be reused once it finished)."""
+        self.engine.add(req_id, prompt, max_tokens)
+
+    def step(
+        self,
+        *,
+        jobs: int | Mapping[int, int] = ALL,
+        release: Sequence[int] = (),
+        preempt: Sequence[str] = (),
+        resume: Sequence[str] = (),
+        finish: Sequence[str] = (),
+    ) -> list[Divergence]:
+        """One engine step. ``jobs``: how many queued jobs each rank's send thread
+        runs in this step's window (``ALL``, or per rank; a rank not named runs
+        none — it lags). ``release``: ranks whose blocked put returns first.
+        ``preempt``/``resume`` take effect at scheduling, ``finish`` (an abort)
+        after the forward pass."""
+        self.step_no += 1
+        step = self.step_no
+        found: list[Divergence] = []
+        sched = self.engine.schedule(
+            preempt, resume, lambda req, n: self._admit_upstream(req))
+
+        # Scheduler metadata.
+        meta = self._guard(found, "build_connector_meta",
+                           lambda: self.connector.build_connector_meta(sched.upstream))
+        plan = self.planner.step(sched.kvstate)
+        for b in plan.pins:
+            self.ks_refs[b] = self.ks_refs.get(b, 0) + 1
+        hb = self.setup.block_size
+        up_jobs = [upstream_job(m, hb) for m in meta.requests if m.can_save] if meta else []
+        ks_jobs = [kvstate_job(m, hb) for m in plan.saves]
+        self._compare_jobs(found, step, up_jobs, ks_jobs)
+
+        # Every rank takes the step's metadata.
+        finished_ids = set(sched.upstream.finished_req_ids)
+        for up, ks in zip(self.up_ranks, self.ks_ranks):
+            if meta is not None:
+                rank_meta = copy.deepcopy(meta)  # each worker gets its own copy over IPC
+                up.connector._connector_metadata = rank_meta
+                with host_events():
+                    self._guard(found, f"rank {up.rank} wait_for_save", up.connector.wait_for_save)
+                self._guard(found, f"rank {up.rank} get_finished",
+                            functools.partial(up.connector.get_finished, finished_ids))
+            ks.executor.receive(plan)
+
+        # The send-thread window.
+        for up, ks in zip(self.up_ranks, self.ks_ranks):
+            if up.rank in release:
+                up.release()
+                ks.release()
+            budget = jobs if isinstance(jobs, int) else jobs.get(up.rank, 0)
+            ran = 0
+            while budget == ALL or ran < budget:
+                a, b = up.run_job(), ks.run_job()
+                if not a and not b:
+                    break
+                ran += 1
+
+        # Worker metadata back to the scheduler.
+        outputs = []
+        ks_reports: list[Report] = []
+        for up, ks in zip(self.up_ranks, self.ks_ranks):
+            rank = up.rank
+            self._compare(found, step, rank, "store calls",
+                          self.store_up.calls.pop(rank, []), self.store_ks.calls.pop(rank, []))
+            # An exception out of upstream's exists check escapes ``_handle_request``
+            # to the thread's run loop, which logs it (the job still reports from its
+            # ``finally``); kvstate turns it into a RAISED outcome. Kept for asserts.
+            self.thread_exceptions += [(step, rank, msg) for msg in up.raised]
+            up.raised = []
+            worker_meta = up.connector.build_connector_worker_meta()
+            events = up.connector.get_kv_connector_kv_cache_events()
+            reports = ks.take_reports()
+            ks_reports.extend(reports)
+            up_done = dict(sorted((worker_meta.completed_saves if worker_meta else {}).items()))
+            ks_done: dict[int, int] = {}
+            for r in reports:
+                ks_done[r.job_id - JOB_ID_SHIFT] = ks_done.get(r.job_id - JOB_ID_SHIFT, 0) + 1
+            self._compare(found, step, rank, "completions", up_done, dict(sorted(ks_done.items())))
+            up_events = [upstream_event(e) for e in events.get_all_events()] if events else []
+            ks_events = [kvstate_event(e) for r in reports for e in r.events]
+            self._compare(found, step, rank, "emitted KV events", sorted(up_events, key=repr),
+                          sorted(ks_events, key=repr))
+            up_state = upstream_rank_state(up.thread)
+            ks_state = kvstate_rank_state(ks.executor)
+            for name in up_state:
+                self._compare(found, step, rank, name, up_state[name], ks_state[name])
+            outputs.append(SimpleNamespace(kv_connector_output=KVConnectorOutput(
+                kv_connector_worker_meta=worker_meta, kv_cache_events=events)))
+        merged = self.aggregator.aggregate(outputs)  # type: ignore[arg-type]
+        before = set(self.scheduler._pinned_saves)
+        if merged is not None and merged.kv_connector_output is not None and meta is not None:
+            self._guard(found, "update_connector_output",
+                        lambda: self.connector.update_connector_output(merged.kv_connector_output))
+        for job in before - set(self.scheduler._pinned_saves):
+            self.pins_released[job] = step
+        up_published = [upstream_event(e) for e in self.connector.take_events()]
+        settlement = self.planner.on_reports(ks_reports)
+        for b in settlement.releases:
+            self.ks_refs[b] -= 1
+        ks_published = [kvstate_event(e) for e in settlement.published]
+        self.published_upstream += up_published
+        self.published_kvstate += ks_published
+
+        self._compare(found, step, None, "pins", self._upstream_pins(), self._kvstate_pins())
+        self._compare(found, step, None, "published KV events", up_published, ks_published)
+
+        self.engine.after_step(sched.scheduled, finish)
+        self._compare(found, step, None, "block reference counts", self._upstream_refs(),
+                      self._kvstate_refs())
+        self.divergences.extend(found)
+        return found
+
+    def steps(self, n: int, **kwargs: Any) -> None:
+        for _ in range(n):
+            self.step(**kwargs)
+
+    # ------------------------------------------------------------------
+
+    def _admit_upstream(self, req: Request) -> None:
+        # vLLM calls these for every request it admits from the waiting queue
+        # (new or resumed); lookups are off, so nothing is external.
+        self.connector.get_num_new_matched_tokens(req, 0)
+        self.connector.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+
+    def _guard(self, found: list[Divergence], what: str, call: Callable[[], Any]) -> Any:
+        if self.upstream_dead:
+            return None
+        try:
+            return call()
+        except Exception as exc:  # an upstream crash is a divergence, not a harness error
+            self.upstream_dead = True
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{frame.filename.rsplit('site-packages/', 1)[-1]}:{frame.lineno}"
+            found.append(Divergence(
+                self.step_no, None, f"upstream {what} raised",
+                f"{type(exc).__name__}: {exc} at {where}: {frame.line}", "no exception"))
+            return None
+
+    def _compare(self, found: list[Divergence], step: int, rank: int | None, field: str,
+                 upstream: Any, kvstate: Any) -> None:
+        if upstream != kvstate and not self.upstream_dead:
+            found.append(Divergence(step, rank, field, upstream, kvstate))
+
+    def _compare_jobs(self, found: list[Divergence], step: int, up: list[tuple[Any, ...]],
+                      ks: list[tuple[Any, ...]]) -> None:
+        if self.upstream_dead:
+            return
+        if len(up) != len(ks):
+            found.append(Divergence(step, None, "save jobs", up, ks))
+            return
+        for u, k in zip(up, ks):
+            for name, a, b in zip(JOB_FIELDS, u, k):
+                if a != b:
+                    found.append(Divergence(step, None, f"save job {u[0]} ({u[1]}) {name}", a, b))
+
+    def _upstream_pins(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        return {j: (tuple(b), n) for j, (b, n) in sorted(self.scheduler._pinned_saves.items())}
+
+    def _kvstate_pins(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        world = self.setup.world_size
+        return {j - JOB_ID_SHIFT: (tuple(book.pinned), world - len(book.ranks))
+                for j, book in sorted(self.planner.jobs.items()) if book.pinned}
+
+    def _upstream_refs(self) -> dict[int, int]:
+        return {b.block_id: b.ref_cnt for b in self.engine.pool.blocks[1:] if b.ref_cnt}
+
+    def _kvstate_refs(self) -> dict[int, int]:
+        refs = dict(self.engine.engine_refs)
+        for b, n in self.ks_refs.items():
+            refs[b] = refs.get(b, 0) + n
+        return {b: n for b, n in sorted(refs.items()) if n}
+
+    # ------------------------------------------------------------------
+
+    @property
+    def first_divergence(self) -> Divergence | None:
+        return self.divergences[0] if self.divergences else None
+
+    def assert_conforms(self) -> None:
+        if self.divergences:
+            raise DivergenceError(
+                f"{self.variant.name} diverges from vLLM 0.33.0 ({len(self.divergences)} "
+                f"difference(s)); first at {self.divergences[0]}")
+
+    def rank_state(self, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(upstream, kvstate) normalised state of one rank, for scenario asserts."""
+        return upstream_rank_state(self.up_ranks[rank].thread), kvstate_rank_state(
+            self.ks_ranks[rank].executor)

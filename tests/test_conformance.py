@@ -1,0 +1,298 @@
+"""vLLM 0.33.0's shipped MooncakeStore connector and kvstate's ``e2``, fed one schedule.
+
+Each test is a scenario run through ``adapters.vllm.conformance.Conformance``,
+which compares both sides after every step (save jobs, store calls per rank,
+completions, KV events, rank state, pins, reference counts) and keeps every
+difference. A conforming scenario must end with none; the negative controls run a
+mutant of ``e2`` and must be caught where its bug lives. Deliberate differences and
+upstream hazards are in ``specs/conformance.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from adapters.vllm.conformance import (  # noqa: E402
+    ALL,
+    Conformance,
+    Divergence,
+    DivergenceError,
+    Fault,
+    Setup,
+)
+
+NO_AVAILABLE_HANDLE = -200
+TRANSFER_FAIL = -800
+
+
+def prompt(n: int, base: int = 1) -> list[int]:
+    return list(range(base, base + n))
+
+
+@pytest.fixture
+def runs() -> Iterator[Callable[..., Conformance]]:
+    made: list[Conformance] = []
+
+    def make(setup: Setup | None = None, variant: str = "e2",
+             faults: tuple[Fault, ...] = ()) -> Conformance:
+        run = Conformance(setup or Setup(), variant, faults)
+        made.append(run)
+        return run
+
+    yield make
+    for run in made:
+        run.close()
+
+
+def settle(run: Conformance, steps: int = 3) -> None:
+    """Keep stepping with every rank draining its queue (pins must drain too)."""
+    run.steps(steps)
+
+
+# --------------------------------------------------------------------------
+# Scenarios that must conform.
+
+
+@pytest.mark.parametrize("kv_events", [False, True], ids=["events-off", "events-on"])
+def test_prompt_then_decode_saves_each_new_full_block(runs, kv_events):
+    run = runs(Setup(save_decode_cache=True, kv_events=kv_events))
+    run.add("a", prompt(40), max_tokens=30)
+    run.steps(30)
+    settle(run)
+    run.assert_conforms()
+    # The prompt's 2 full blocks, then one job per block decode fills (48, 64).
+    assert len(run.store_up.objects) == 4
+    assert run.scheduler._pinned_saves == {}
+    if kv_events:
+        assert len(run.published_upstream) == 4
+
+
+@pytest.mark.parametrize("kv_events", [False, True], ids=["events-off", "events-on"])
+def test_shared_prefix_is_stored_once(runs, kv_events):
+    run = runs(Setup(kv_events=kv_events))
+    run.add("a", prompt(48), max_tokens=2)
+    run.step()
+    run.add("b", prompt(32) + prompt(20, base=900), max_tokens=2)
+    run.step()
+    settle(run)
+    run.assert_conforms()
+    # b found a's two shared chunks present and put only its own third.
+    assert len(run.store_up.objects) == 4
+
+
+def test_preemption_with_a_queued_job_then_resumption(runs):
+    run = runs(Setup(save_decode_cache=True, kv_events=True))
+    run.add("a", prompt(40), max_tokens=40)
+    run.step(jobs=0)  # the prompt job stays queued
+    run.step(jobs=0, preempt=["a"])  # the queued job is now stale
+    run.step()  # it runs, makes no store call, still reports (pins released)
+    assert run.store_up.objects == {}
+    run.step(resume=["a"])
+    run.steps(20)
+    settle(run)
+    run.assert_conforms()
+    assert run.scheduler._pinned_saves == {}
+
+
+@pytest.mark.parametrize("gap", [1, 0], ids=["reuse-later", "reuse-next-step"])
+def test_request_id_reused_after_finish_with_a_stale_job(runs, gap):
+    run = runs(Setup(save_decode_cache=True, kv_events=True))
+    run.add("a", prompt(40), max_tokens=1)
+    run.step(jobs=0)  # a finishes with its prompt job queued
+    for _ in range(gap):
+        run.step(jobs=0)
+    run.add("a", prompt(56, base=500), max_tokens=20)
+    run.steps(25)
+    settle(run)
+    if gap == 0:
+        # Upstream crashes here (specs/conformance.md, "id reuse in the next step").
+        first = run.first_divergence
+        assert first is not None and first.field == "upstream build_connector_meta raised"
+        assert "AssertionError" in first.upstream
+        return
+    run.assert_conforms()
+
+
+def test_no_space_then_recovery_while_other_jobs_find_their_keys(runs):
+    run = runs(Setup(kv_events=True, save_decode_cache=True),
+               faults=(Fault("put", 0, nth=2, code=NO_AVAILABLE_HANDLE),))
+    run.add("a", prompt(32), max_tokens=1)
+    run.step()  # a's prompt is stored
+    run.add("b", prompt(40, base=300), max_tokens=30)
+    run.step()  # b's put answers -200: pressure on, b skipped
+    upstream, _ = run.rank_state(0)
+    assert upstream["pressure"] and upstream["skip set"] == ("b",)
+    run.add("c", prompt(32), max_tokens=1)
+    run.step()  # c finds a's keys present: that clears nothing upstream
+    upstream, _ = run.rank_state(0)
+    assert upstream["pressure"] and upstream["skip set"] == ("b",)
+    run.steps(10)  # b's decode jobs are skipped, keeping their tokens as retry state
+    assert run.rank_state(0)[0]["retry suffix"]["b"][0] == 0
+    run.add("d", prompt(33, base=700), max_tokens=1)
+    run.step()  # d's put succeeds: pressure and skip set cleared
+    upstream, _ = run.rank_state(0)
+    assert not upstream["pressure"] and upstream["skip set"] == ()
+    run.steps(20)
+    settle(run)
+    run.assert_conforms()
+
+
+def test_put_that_raises_is_reported_and_retried(runs):
+    run = runs(Setup(kv_events=True, save_decode_cache=True),
+               faults=(Fault("put", 0, nth=1, raises=True),))
+    run.add("a", prompt(40), max_tokens=30)
+    run.steps(30)
+    settle(run)
+    run.assert_conforms()
+    assert len(run.store_up.objects) == 4
+
+
+def test_exists_check_that_raises(runs):
+    run = runs(Setup(kv_events=True, save_decode_cache=True),
+               faults=(Fault("exists", 0, nth=1, raises=True),))
+    run.add("a", prompt(40), max_tokens=30)
+    run.steps(30)
+    settle(run)
+    run.assert_conforms()
+
+
+def test_partial_failure_keeps_the_offset_and_retries(runs):
+    run = runs(Setup(kv_events=True, save_decode_cache=True),
+               faults=(Fault("put", 0, nth=1, code=TRANSFER_FAIL, index=1),))
+    run.add("a", prompt(48), max_tokens=30)
+    run.steps(30)
+    settle(run)
+    run.assert_conforms()
+
+
+@pytest.mark.parametrize("put_step", [1, 2])
+@pytest.mark.parametrize("kv_events", [False, True], ids=["events-off", "events-on"])
+def test_two_ranks(runs, put_step, kv_events):
+    run = runs(Setup(world_size=2, put_step=put_step, kv_events=kv_events,
+                     save_decode_cache=True))
+    run.add("a", prompt(72), max_tokens=30)
+    run.step()
+    run.add("b", prompt(48), max_tokens=20)
+    run.steps(30)
+    settle(run)
+    run.assert_conforms()
+    if kv_events:
+        assert run.published_upstream
+
+
+def test_lagging_rank(runs):
+    run = runs(Setup(world_size=2, kv_events=True, save_decode_cache=True))
+    run.add("a", prompt(40), max_tokens=40)
+    for _ in range(20):
+        run.step(jobs={0: ALL})  # rank 1 runs nothing: pins wait for it
+    assert run.scheduler._pinned_saves
+    run.step(jobs={0: ALL, 1: 2})
+    run.steps(25)
+    settle(run)
+    run.assert_conforms()
+
+
+@pytest.mark.parametrize("ending", ["finish", "preempt"])
+def test_request_ends_while_a_put_blocks(runs, ending):
+    run = runs(Setup(kv_events=True, save_decode_cache=True),
+               faults=(Fault("put", 0, nth=1, blocks=True),))
+    run.add("a", prompt(40), max_tokens=40)
+    run.step()  # the prompt job blocks inside its put
+    if ending == "finish":
+        run.step(finish=["a"])
+    else:
+        run.step(preempt=["a"])
+    run.step()
+    run.step(release=[0])
+    if ending == "preempt":
+        run.step(resume=["a"])
+        run.steps(20)
+    settle(run)
+    run.assert_conforms()
+    assert run.scheduler._pinned_saves == {}
+
+
+# --------------------------------------------------------------------------
+# Negative controls: a mutant must be caught where its bug lives.
+
+
+def _events_run(run: Conformance) -> None:
+    run.add("a", prompt(40), max_tokens=30)
+    run.steps(30)
+
+
+def _failure_run(run: Conformance) -> None:
+    run.add("a", prompt(48), max_tokens=30)
+    run.steps(30)
+
+
+def _raising_put_run(run: Conformance) -> None:
+    run.add("a", prompt(40), max_tokens=3)
+    run.steps(4)
+
+
+def _preemption_run(run: Conformance) -> None:
+    run.add("a", prompt(40), max_tokens=30)
+    run.step(jobs=0)
+    run.step(jobs=0, preempt=["a"])
+    run.steps(2)
+
+
+def _lagging_run(run: Conformance) -> None:
+    run.add("a", prompt(40), max_tokens=30)
+    run.step(jobs=0)
+    run.steps(2)
+
+
+def _failed_then_preempted_run(run: Conformance) -> None:
+    run.add("a", prompt(40), max_tokens=30)
+    run.step()  # the put raises: the job's tokens stay as retry state
+    run.step(preempt=["a"])
+
+
+def _shared_prefix_run(run: Conformance) -> None:
+    run.add("a", prompt(48), max_tokens=2)
+    run.step()
+    run.add("b", prompt(32) + prompt(20, base=900), max_tokens=2)
+    run.steps(3)
+
+
+@pytest.mark.parametrize(
+    ("variant", "scenario", "faults", "field"),
+    [
+        ("parent-previous-emitted", _events_run, (), "emitted KV events"),
+        ("skip-exists-check", _shared_prefix_run, (), "store calls"),
+        ("advance-offset-on-failure", _failure_run,
+         (Fault("put", 0, nth=1, code=TRANSFER_FAIL, index=1),), "saved offset"),
+        ("snapshot-from-zero", _events_run, (), "token snapshot"),
+        ("boundary-without-plus-one", _events_run, (), "save jobs"),
+        ("key-without-rank", _shared_prefix_run, (), "store calls"),
+        ("missing-finally", _raising_put_run, (Fault("put", 0, nth=1, raises=True),),
+         "completions"),
+        ("no-pins-on-preemption", _preemption_run, (), "pins"),
+        ("delayed-free-at-finish", _lagging_run, (), "pins"),
+        ("retry-keyed-by-request", _failed_then_preempted_run,
+         (Fault("put", 0, nth=1, raises=True),), "retry suffix"),
+    ],
+)
+def test_mutant_diverges_where_its_bug_lives(runs, variant, scenario, faults, field):
+    setup = Setup(kv_events=True, save_decode_cache=True)
+    if variant == "key-without-rank":
+        setup = Setup(world_size=2, kv_events=True)
+    run = runs(setup, variant, faults)
+    scenario(run)
+    first = run.first_divergence
+    assert first is not None, f"{variant} was not told apart from upstream"
+    assert field in first.field, str(first)
+    with pytest.raises(DivergenceError, match=variant):
+        run.assert_conforms()
+
+
+def test_divergence_message_names_step_rank_and_field():
+    text = str(Divergence(7, 1, "saved offset", {"a": 32}, {"a": 48}))
+    assert text.startswith("step 7, rank 1, saved offset:")
+    assert "upstream: {'a': 32}" in text and "kvstate:  {'a': 48}" in text
