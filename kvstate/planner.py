@@ -7,7 +7,8 @@ engine (or the simulator, or a test) hands it a ``SchedulerStep`` and gets a
 ``Plan`` back; it hands it the ranks' ``Report``s and gets a ``Settlement``.
 
 Order within a step follows upstream's ``build_connector_meta``
-(REFERENCE.md §2): finished, preempted, new, resumed, cached, then loads.
+(REFERENCE.md §2): finished, preempted, new, cached (running, then resumed),
+then loads.
 Finished and preempted come first so a generation is over before anything of
 the step could touch it. A request listed as both scheduled and preempted in
 one step is a broken engine assumption (S23) and is reported, not ignored.
@@ -279,33 +280,6 @@ class Planner:
             tracker.can_load = False
             self._maybe_save(tracker, skip, False, saves, pins)
 
-        for res in sched.resumed:
-            old = self.trackers.get(res.req_id)
-            if old is None or old.state is not RequestState.PREEMPTED:
-                violations.append(Violation(
-                    "S23", f"resumption of request {res.req_id!r} that was not preempted "
-                    f"(state {old.state.name if old else 'unknown'})"))
-                if old is not None and not old.ended:
-                    self._end_generation(old, "preempted", pins, releases)
-            tracker = self.trackers[res.req_id] = self._new_tracker(res.req_id)
-            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.RESUME)
-            started.append(GenerationStart(res.req_id, tracker.generation, "resumed",
-                                           old.prefill_end if old else len(res.all_token_ids)))
-            tracker.token_len = res.num_computed_tokens + res.num_scheduled_tokens
-            tracker.block_ids = [list(t) for t in res.block_ids]
-            tracker.hashes = list(res.block_hashes)
-            # Upstream: the resumed tracker's prefill ends at everything known so far.
-            tracker.prefill_end = len(res.all_token_ids)
-            if events_on:
-                tracker.token_ids = list(res.all_token_ids[:tracker.token_len])
-            is_decode = res.num_computed_tokens >= tracker.prefill_end
-            tracker.state = REQUEST.fire(
-                tracker.gen_key, tracker.state,
-                _RE.SCHEDULE_DECODE if is_decode else _RE.SCHEDULE_PREFILL)
-            if is_consumer and not (config.save_decode_cache and is_decode):
-                continue
-            self._maybe_save(tracker, False, is_decode, saves, pins)
-
         if not is_consumer or config.save_decode_cache:
             save_decode = config.save_decode_cache
             trackers = self.trackers
@@ -350,6 +324,36 @@ class Planner:
                 if tracker.token_len < tracker.save_at:
                     continue
                 self._maybe_save(tracker, False, is_decode, saves, pins)
+
+        # Resumed after running: vLLM lists them last in the cached requests
+        # (``_make_cached_request_data`` chains running, then resumed), so
+        # upstream numbers their jobs after the running requests' jobs.
+        for res in sched.resumed:
+            old = self.trackers.get(res.req_id)
+            if old is None or old.state is not RequestState.PREEMPTED:
+                violations.append(Violation(
+                    "S23", f"resumption of request {res.req_id!r} that was not preempted "
+                    f"(state {old.state.name if old else 'unknown'})"))
+                if old is not None and not old.ended:
+                    self._end_generation(old, "preempted", pins, releases)
+            tracker = self.trackers[res.req_id] = self._new_tracker(res.req_id)
+            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.RESUME)
+            started.append(GenerationStart(res.req_id, tracker.generation, "resumed",
+                                           old.prefill_end if old else len(res.all_token_ids)))
+            tracker.token_len = res.num_computed_tokens + res.num_scheduled_tokens
+            tracker.block_ids = [list(t) for t in res.block_ids]
+            tracker.hashes = list(res.block_hashes)
+            # Upstream: the resumed tracker's prefill ends at everything known so far.
+            tracker.prefill_end = len(res.all_token_ids)
+            if events_on:
+                tracker.token_ids = list(res.all_token_ids[:tracker.token_len])
+            is_decode = res.num_computed_tokens >= tracker.prefill_end
+            tracker.state = REQUEST.fire(
+                tracker.gen_key, tracker.state,
+                _RE.SCHEDULE_DECODE if is_decode else _RE.SCHEDULE_PREFILL)
+            if is_consumer and not (config.save_decode_cache and is_decode):
+                continue
+            self._maybe_save(tracker, False, is_decode, saves, pins)
 
         # Load-only metas for requests allocated with an external hit since the
         # last step (parked ones and synchronous loads alike).
