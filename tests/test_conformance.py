@@ -118,6 +118,28 @@ def test_request_id_reused_after_finish_with_a_stale_job(runs, gap):
     run.assert_conforms()
 
 
+def test_reused_id_inherits_the_stale_generations_saved_offset(runs):
+    """Upstream hazard (specs/conformance.md, H2): the reused id shares the old
+    generation's ledger entry, the old job writes its offset there, and the new
+    prompt's first chunks are never stored. e2 reproduces it step for step."""
+    run = runs(Setup(kv_events=True))
+    run.add("a", prompt(40), max_tokens=1)
+    run.step(jobs=0)  # a finishes; its prompt job stays queued
+    run.step(jobs=0)  # the finish is deferred: the job is still live
+    new_prompt = prompt(56, base=500)
+    run.add("a", new_prompt, max_tokens=1)
+    run.step()  # the old job stores the old prompt and sets offset 32; the new one starts there
+    settle(run)
+    run.assert_conforms()
+    new_first_chunk = run.engine.requests["a"].req.block_hashes[0].hex()
+    assert not any(k.endswith(new_first_chunk) for k in run.store_up.objects)
+    assert len(run.store_up.objects) == 3  # old chunks 0-1, new chunk 2 only
+    # ...and the new chunk 2's event names a parent no event ever announced (K4).
+    announced = {e[0][0] for e in run.published_upstream}
+    orphans = [e for e in run.published_upstream if e[1] is not None and e[1] not in announced]
+    assert len(orphans) == 1
+
+
 def test_no_space_then_recovery_while_other_jobs_find_their_keys(runs):
     run = runs(Setup(kv_events=True, save_decode_cache=True),
                faults=(Fault("put", 0, nth=2, code=NO_AVAILABLE_HANDLE),))
@@ -215,6 +237,44 @@ def test_request_ends_while_a_put_blocks(runs, ending):
     settle(run)
     run.assert_conforms()
     assert run.scheduler._pinned_saves == {}
+
+
+def test_running_and_resumed_jobs_in_one_step_are_numbered_like_vllm(runs):
+    """vLLM lists running requests before resumed ones; upstream numbers their
+    jobs in that order (specs/conformance.md, F3)."""
+    run = runs(Setup(chunk=16, kv_events=True))
+    run.add("a", prompt(64), max_tokens=2)
+    run.add("b", prompt(20, base=300), max_tokens=10)
+    run.step()
+    run.step(preempt=["b"])
+    run.step(resume=["b"])  # a's third chunk (running) and b's recompute (resumed) both save
+    settle(run)
+    run.assert_conforms()
+    assert [job[1] for job in run.save_jobs[3]] == ["a", "b"]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["per-step-multiset", "strict-order"])
+def test_publication_order_within_a_step(runs, strict):
+    """Known difference D1: upstream publishes a step's events in order of first
+    report, e2 in order of quorum completion."""
+    run = Conformance(Setup(world_size=2, chunk=32, kv_events=True),
+                      faults=(Fault("exists", 1, nth=1, raises=True),),
+                      strict_event_order=strict)
+    try:
+        run.add("a", prompt(48), max_tokens=1)
+        run.step()  # rank 0 reports a's chunks 0-1; rank 1's existence check raises
+        run.add("c", prompt(20, base=300), max_tokens=1)
+        run.step()  # rank 1 retries a's chunks after c's job: a0 completes after c0
+        settle(run)
+    finally:
+        run.close()
+    if not strict:
+        run.assert_conforms()
+        return
+    first = run.first_divergence
+    assert first is not None and first.field == "published KV events"
+    assert sorted(first.upstream, key=repr) == sorted(first.kvstate, key=repr)
+    assert first.upstream != first.kvstate
 
 
 @pytest.mark.parametrize("seed", range(8))

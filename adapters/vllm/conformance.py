@@ -729,6 +729,8 @@ class Conformance:
         self.published_kvstate: list[tuple[Any, ...]] = []
         self.pins_released: dict[int, int] = {}  # upstream job id -> step released
         self.thread_exceptions: list[tuple[int, int, str]] = []
+        # kvstate's save jobs per step, normalised (see ``kvstate_job``), for asserts.
+        self.save_jobs: dict[int, list[tuple[Any, ...]]] = {}
 
         vc = vllm_config(setup)
         self.connector = MooncakeStoreConnector(vc, KVConnectorRole.SCHEDULER,
@@ -794,6 +796,7 @@ class Conformance:
         up_jobs = [upstream_job(m, hb) for m in meta.requests if m.can_save] if meta else []
         ks_jobs = [kvstate_job(m, hb) for m in plan.saves]
         self._compare_jobs(found, step, up_jobs, ks_jobs)
+        self.save_jobs[step] = ks_jobs
 
         # Every rank takes the step's metadata.
         finished_ids = set(sched.upstream.finished_req_ids)
@@ -962,7 +965,8 @@ class Conformance:
 # Random schedules: the same differential check over seeded swarms.
 
 
-def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2") -> Conformance:
+def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2", *,
+               strict_event_order: bool = False) -> Conformance:
     """Run one seeded random schedule (admissions with shared prefixes, id reuse,
     chunked prefill, preemption and resumption, aborts, lagging ranks, store
     faults including blocked puts) and return the finished run. Request ids are
@@ -987,7 +991,7 @@ def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2") -> Con
             "block": Fault("put", rank, nth, blocks=True),
             "exists raise": Fault("exists", rank, nth, raises=True),
         }[kind])
-    run = Conformance(setup, variant, faults)
+    run = Conformance(setup, variant, faults, strict_event_order=strict_event_order)
     ids = ("a", "b", "c")
 
     def both_blocked() -> list[int]:
@@ -1027,16 +1031,19 @@ def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2") -> Con
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m adapters.vllm.conformance [FIRST [LAST]]``: random schedules
-    ``FIRST..LAST-1``; prints the first divergence of each failing seed."""
+    """``python -m adapters.vllm.conformance [--strict-event-order] [FIRST [LAST]]``:
+    random schedules ``FIRST..LAST-1``; prints the first divergence of each
+    failing seed. Exit 1 if any diverged."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
+    strict = "--strict-event-order" in args
+    args = [a for a in args if a != "--strict-event-order"]
     first = int(args[0]) if args else 0
     last = int(args[1]) if len(args) > 1 else first + 20
     bad = 0
     for seed in range(first, last):
-        run = random_run(seed)
+        run = random_run(seed, strict_event_order=strict)
         if run.first_divergence is not None:
             bad += 1
             print(f"seed {seed} ({run.setup}): {run.first_divergence}")
