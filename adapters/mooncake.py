@@ -77,13 +77,15 @@ class MooncakeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> MooncakeConfig:
-        known = {f.name for f in attrs.fields(cls)} | {"mode"}
+        # Fields vLLM's MooncakeStoreConfig reads that this client does not use.
+        ignored = {"mode", "enable_offload", "tenant_id"}
+        known = {f.name for f in attrs.fields(cls)} | ignored
         for key in data:
             if key not in known:
                 raise ValueError(f"{where}: unknown field {key!r}")
         if "master_server_address" not in data:
             raise ValueError(f"{where}: field 'master_server_address' missing")
-        fields = {k: v for k, v in data.items() if k != "mode"}
+        fields = {k: v for k, v in data.items() if k not in ignored}
         for size in ("global_segment_size", "local_buffer_size"):
             if size in fields:
                 fields[size] = parse_size(fields[size], size)

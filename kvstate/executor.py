@@ -112,7 +112,11 @@ class Executor:
     # ------------------------------------------------------------------
     # Main thread: take a step's metadata.
 
-    def receive(self, plan: Plan) -> list[GetCall]:
+    def receive(self, plan: Plan, *, loads: bool = True) -> list[GetCall]:
+        """Take a step's metadata: end generations, register and enqueue its
+        jobs, and return the store reads of its loads (``loads=False`` when the
+        caller already performed them: vLLM loads before the forward pass and
+        enqueues saves after it)."""
         ledger = self.ledger
         for gen in plan.preempted:
             entry = ledger.preempt(gen)
@@ -129,7 +133,7 @@ class Executor:
             self.queue.append(job)
         for entry in ledger.sweep():
             self.skipped.pop(entry, None)
-        return [self._get_call(load) for load in plan.loads]
+        return [self.load_call(load) for load in plan.loads] if loads else []
 
     def dequeue(self) -> RankJob | None:
         return self.queue.popleft() if self.queue else None
@@ -394,7 +398,8 @@ class Executor:
     # ------------------------------------------------------------------
     # Loads.
 
-    def _get_call(self, load: LoadMeta) -> GetCall:
+    def load_call(self, load: LoadMeta) -> GetCall:
+        """The store reads of one load on this rank (keys, groups, target blocks)."""
         bs = self.config.block_size
         per_block = self.config.hashes_per_block
         keys: list[str] = []

@@ -1,0 +1,22 @@
+"""kvstate inside vLLM 0.33.0: ``KvstateConnector`` (needs the ``vllm`` extra).
+
+vLLM imports this package by ``kv_connector_module_path="adapters.vllm"`` and
+takes ``KvstateConnector`` from it; importing it therefore imports vLLM. Other
+modules of the package (the conformance harness, the test rig) are imported by
+name and pull in only what they use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KvstateConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import adapters.vllm.options` must not import vLLM.
+    if name == "KvstateConnector":
+        from .connector import KvstateConnector
+
+        return KvstateConnector
+    raise AttributeError(name)

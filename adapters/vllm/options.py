@@ -1,0 +1,157 @@
+"""What a user configures: vLLM's ``kv_connector_extra_config`` read once, checked once.
+
+The connector accepts upstream ``MooncakeStoreConnector``'s field names for
+what both connectors share (``save_decode_cache``, ``enable_lookup``,
+``cache_prefix``; the store itself from ``MOONCAKE_CONFIG_PATH``), so a
+deployment switches connectors by changing the class name, plus kvstate's own
+fields, all prefixed ``kvstate_``:
+
+- ``kvstate_protocol``: ``kvstate`` (default) or any variant name
+  (`kvstate.variants.VARIANTS`), e.g. ``e2`` to run upstream's bookkeeping;
+- ``kvstate_trace``: a path; the scheduler writes the engine's trace there;
+- ``kvstate_monitor``: ``off`` | ``log`` | ``raise`` — the invariant catalogue
+  online, inside the engine;
+- ``kvstate_store_timeout``: seconds one store call may take (upstream has no
+  bound, REFERENCE.md §6 S6);
+- ``kvstate_put_step``: override the derived replication factor.
+
+Unknown ``kvstate_*`` fields are refused (a typo must not silently turn a
+monitor off); other unknown fields are left to whoever else reads the dict.
+A bad value raises ``ValueError`` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvstate.variants import VARIANTS
+
+MONITOR_MODES = ("off", "log", "raise")
+
+KNOWN_KVSTATE_FIELDS = (
+    "kvstate_protocol", "kvstate_trace", "kvstate_monitor", "kvstate_store_timeout",
+    "kvstate_put_step",
+)
+
+
+def _bad(field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"kv_connector_extra_config[{field!r}]={value!r}: {why}")
+
+
+def _flag(extra: dict[str, Any], field: str, default: bool) -> bool:
+    value = extra.get(field, default)
+    if isinstance(value, bool):
+        return value
+    # vLLM's JSON CLI hands strings through as given ("true"/"false").
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise _bad(field, value, "expected true or false")
+
+
+@attrs.frozen(slots=True)
+class ConnectorOptions:
+    protocol: str = "kvstate"
+    save_decode_cache: bool = False
+    enable_lookup: bool = True
+    cache_prefix: str = ""
+    trace: str | None = None
+    monitor: str = "off"
+    store_timeout: float = 5.0
+    put_step: int | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
+        extra = dict(extra or {})
+        for field in extra:
+            if field.startswith("kvstate_") and field not in KNOWN_KVSTATE_FIELDS:
+                known = ", ".join(KNOWN_KVSTATE_FIELDS)
+                raise _bad(field, extra[field], f"unknown kvstate field (known: {known})")
+        protocol = extra.get("kvstate_protocol", "kvstate")
+        if not isinstance(protocol, str) or protocol not in VARIANTS:
+            raise _bad("kvstate_protocol", protocol,
+                       f"unknown protocol (one of: {', '.join(sorted(VARIANTS))})")
+        trace = extra.get("kvstate_trace")
+        if trace is not None and (not isinstance(trace, str) or not trace):
+            raise _bad("kvstate_trace", trace, "expected a file path")
+        monitor = extra.get("kvstate_monitor", "off")
+        if monitor not in MONITOR_MODES:
+            raise _bad("kvstate_monitor", monitor, f"expected one of {', '.join(MONITOR_MODES)}")
+        timeout = extra.get("kvstate_store_timeout", 5.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                0 < timeout <= 3600):
+            raise _bad("kvstate_store_timeout", timeout, "expected seconds in (0, 3600]")
+        put_step = extra.get("kvstate_put_step")
+        if put_step is not None and (isinstance(put_step, bool) or not isinstance(put_step, int)
+                                     or put_step < 1):
+            raise _bad("kvstate_put_step", put_step, "expected an integer >= 1")
+        prefix = extra.get("cache_prefix", "")
+        if not isinstance(prefix, str) or "@" in prefix:
+            raise _bad("cache_prefix", prefix, "expected a string without '@'")
+        return cls(
+            protocol=protocol,
+            save_decode_cache=_flag(extra, "save_decode_cache", False),
+            enable_lookup=_flag(extra, "enable_lookup", True),
+            cache_prefix=prefix,
+            trace=trace,
+            monitor=monitor,
+            store_timeout=float(timeout),
+            put_step=put_step,
+        )
+
+
+def replication_factor(vllm_config: Any, tp_size: int) -> int:
+    """Upstream's ``put_step`` for one attention group: byte-identical TP
+    replicas (MLA: every rank; GQA with fewer KV heads than ranks:
+    ``tp_size // num_kv_heads``; else 1)."""
+    model = vllm_config.model_config
+    if getattr(model, "use_mla", False):
+        return tp_size
+    heads = model.get_total_num_kv_heads()
+    return max(1, tp_size // max(1, heads))
+
+
+def connector_config(vllm_config: Any, kv_cache_config: Any, options: ConnectorOptions) -> Any:
+    """The protocol's ``ConnectorConfig`` for this engine, from vLLM's configs.
+
+    Refuses, with the reason, what the connector does not model: pipeline
+    parallelism, decode/prefill context parallelism and more than one KV-cache
+    group (hybrid models) are upstream features kvstate's core has no
+    bookkeeping for yet.
+    """
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    from kvstate.config import ConnectorConfig, Role
+
+    parallel = vllm_config.parallel_config
+    unsupported = []
+    if parallel.pipeline_parallel_size > 1:
+        unsupported.append(f"pipeline_parallel_size={parallel.pipeline_parallel_size}")
+    if parallel.decode_context_parallel_size > 1:
+        unsupported.append(f"decode_context_parallel_size={parallel.decode_context_parallel_size}")
+    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        unsupported.append(f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        unsupported.append(f"{len(groups)} KV-cache groups (hybrid models)")
+    if unsupported:
+        raise ValueError("KvstateConnector does not support " + "; ".join(unsupported))
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    tp_size = parallel.tensor_parallel_size
+    put_step = options.put_step or replication_factor(vllm_config, tp_size)
+    if tp_size % put_step:
+        raise _bad("kvstate_put_step", put_step, f"must divide the TP size {tp_size}")
+    kv_events = vllm_config.kv_events_config
+    role = vllm_config.kv_transfer_config.kv_role
+    return ConnectorConfig(
+        role=Role(role),
+        block_size=block_size,
+        hash_block_size=hash_block_size if hash_block_size != block_size else None,
+        world_size=tp_size,
+        put_step=put_step,
+        save_decode_cache=options.save_decode_cache,
+        enable_kv_events=bool(kv_events and kv_events.enable_kv_cache_events),
+        model_name=vllm_config.model_config.model,
+        cache_prefix=options.cache_prefix,
+    )

@@ -1,0 +1,151 @@
+"""One engine's observations, put in causal order, written as a trace and monitored.
+
+Design notes
+------------
+The scheduler sees its own observations as they happen (lookups, allocations,
+each step's ``SchedulerStep`` and ``Plan``, reports delivered and what they
+settled). Every rank's observations (its jobs, store calls and answers, loads)
+arrive later, inside the worker metadata of some step, and the ranks run
+concurrently with the scheduler. A trace that wrote lines as they *arrived*
+would place a rank's job after a plan the rank had not yet taken, and a
+checker or ``kvstate replay`` would then see effects before their causes.
+
+Each rank observation carries ``plan`` (the last plan its rank had taken) and
+``shipped`` (the step whose worker metadata carried it). The order written is:
+
+    step k's scheduling (lookups, allocations, StepScheduled, Planned)
+    rank observations with plan == k shipped in step k      (rank by rank)
+    step k's settlement (ReportDelivered..., Settled)
+    rank observations with plan == k shipped later          (rank by rank)
+    step k+1's scheduling ...
+
+which is, per rank, exactly the order the rank lived (its observations stay
+contiguous and in sequence, so every output follows the input that caused
+it) and, across ranks and the scheduler, an order consistent with causality:
+a rank acts on plan k only after Planned k, and a report is delivered only
+after the rank produced it. When step k's settlement arrives (at
+``update_connector_output`` of step k) everything up to it is known, so lines
+are written with a lag of at most one step.
+
+The trace's time is the step number (the executors' clock in the connector);
+line indexes are assigned as lines are written, so both only go forward.
+The online monitor sees exactly the written order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import IO, Any
+
+from kvstate.invariants import Monitor
+from kvstate.observations import Observation
+from kvstate.trace import encode_header, encode_observation
+
+from .worker_side import RankObservation
+
+logger = logging.getLogger("kvstate.vllm")
+
+# Where a line sorts within its step (see the module docstring).
+_SCHEDULING, _SETTLEMENT = 0, 2
+
+
+class InvariantViolated(RuntimeError):
+    """``kvstate_monitor: raise`` and an invariant fired inside the engine."""
+
+
+class EngineLog:
+    """Orders, writes and monitors one engine's observations."""
+
+    def __init__(self, config: Any, protocol: str, *, path: str | None, monitor: str,
+                 header: Callable[[], dict[str, Any]]) -> None:
+        """``header`` is called once, at the first flush: what it names (the
+        engine's block-hash function and its NONE_HASH) is settled only once
+        the engine core initialised its hashing, after the connector was built."""
+        self.config = config
+        self.protocol = protocol
+        self.path = path
+        self.monitor_mode = monitor
+        self.monitor: Monitor | None = None
+        self._header = header
+        self._started = False
+        self._file: IO[str] | None = None
+        self._pending: list[tuple[tuple[int, int, int, int], Observation]] = []
+        self._seq = 0
+        self._index = 0
+        self._reported = 0
+        self.violations: list[Any] = []
+        self.active = path is not None or monitor != "off"
+
+    def _start(self) -> None:
+        self._started = True
+        header = self._header()
+        if self.monitor_mode != "off":
+            hashing: dict[str, Any] = {"block_hash": header.get("block_hash", "opaque")}
+            if header.get("none_hash"):
+                hashing["none_hash"] = bytes.fromhex(header["none_hash"])
+            self.monitor = Monitor(self.config, shared_store=True, **hashing)
+        if self.path is not None:
+            self._file = open(self.path, "w")  # noqa: SIM115 - closed by close()
+            self._file.write(encode_header([self.config], protocol=self.protocol, **header) + "\n")
+
+    def scheduling(self, step: int, obs: Observation) -> None:
+        self._seq += 1
+        self._pending.append(((step, _SCHEDULING, -1, self._seq), obs))
+
+    def settlement(self, step: int, obs: Observation) -> None:
+        self._seq += 1
+        self._pending.append(((step, _SETTLEMENT, -1, self._seq), obs))
+
+    def ranks(self, observations: list[RankObservation]) -> None:
+        for ro in observations:
+            late = 2 * max(0, ro.shipped - ro.plan) + 1
+            self._pending.append(((ro.plan, late, ro.rank, ro.seq), ro.observation))
+
+    def flush(self, through_step: int | None) -> None:
+        """Write every line up to step ``through_step``'s settlement (all when None)."""
+        if not self._pending:
+            return
+        if not self._started:
+            self._start()
+        self._pending.sort(key=lambda item: item[0])
+        if through_step is None:
+            cut = len(self._pending)
+        else:
+            limit = (through_step, _SETTLEMENT, 1 << 30, 1 << 62)
+            cut = 0
+            while cut < len(self._pending) and self._pending[cut][0] <= limit:
+                cut += 1
+        ready, self._pending = self._pending[:cut], self._pending[cut:]
+        lines = []
+        for key, obs in ready:
+            if self._file is not None:
+                lines.append(encode_observation(obs, self._index, 0, float(key[0])))
+            self._index += 1
+            if self.monitor is not None:
+                self.monitor.observe(obs)
+        if lines and self._file is not None:
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()
+        self._check()
+
+    def _check(self) -> None:
+        if self.monitor is None:
+            return
+        fresh = self.monitor.findings[self._reported:]
+        self._reported = len(self.monitor.findings)
+        for violation in fresh:
+            self.violations.append(violation)
+            logger.error("kvstate invariant %s violated: %s", violation.invariant,
+                         violation.message)
+        if fresh and self.monitor_mode == "raise":
+            first = fresh[0]
+            raise InvariantViolated(f"{first.invariant}: {first.message}")
+
+    def close(self) -> None:
+        try:
+            self.flush(None)
+        finally:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

@@ -1,0 +1,302 @@
+"""The connector's scheduler role: vLLM's scheduler output in, kvstate's ``Plan`` out.
+
+Theory of operation
+-------------------
+vLLM 0.33.0 calls the scheduler connector inside ``Scheduler.schedule()``
+(``get_num_new_matched_tokens`` and ``update_state_after_alloc`` for each
+request it admits, then ``build_connector_meta`` once) and inside
+``update_from_output()`` (``request_finished``, ``update_connector_output``
+with the ranks' aggregated worker metadata, ``get_kv_connector_stats``,
+``take_events``). This class translates those calls into the sans-IO
+planner's inputs and applies its outputs to the engine:
+
+- ``SchedulerOutput`` -> ``kvstate.records.SchedulerStep``. vLLM ships no
+  token ids for running requests without pipeline parallelism, so tokens and
+  block hashes are read from the ``Request`` objects the scheduler handed us:
+  a running request's new tokens are ``all_token_ids[num_computed :
+  num_computed + scheduled - drafts]`` (speculative drafts never count), its
+  new hashes whatever ``Request.block_hashes`` grew by since the last step. A
+  request listed in ``resumed_req_ids`` (or scheduled as new while its last
+  generation was preempted) is a resumption with a replaced block table.
+- The plan's pins and releases are references on vLLM's own ``BlockPool``
+  (``touch`` / ``free_blocks``): a pinned block outlives its request's
+  preemption or finish until every rank confirmed saving past it, so a send
+  thread never reads a block vLLM gave to someone else (S1, vLLM#52360).
+- Reports and load reports arrive in the workers' metadata; the planner
+  settles them (releases, KV events at quorum).
+- Lookups run here, against the store, with the scheduler's own small
+  Mooncake client: every rank namespace must hold every chunk (S20). A
+  resumed request recomputes instead of loading (a documented limit).
+
+Store keys use the engine's own block hashes (``Request.block_hashes``,
+vLLM's sha256 chain) in upstream's key format, so a store either connector
+filled serves the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from kvstate.config import ConnectorConfig
+from kvstate.observations import (
+    Allocated,
+    LookupDone,
+    Planned,
+    ReportDelivered,
+    Settled,
+    StepScheduled,
+)
+from kvstate.planner import Planner
+from kvstate.records import (
+    BlockTable,
+    CachedRequest,
+    NewRequest,
+    Plan,
+    Report,
+    ResumedRequest,
+    SchedulerStep,
+)
+from kvstate.tables import RequestState
+from kvstate.variants import Variant
+
+from .recorder import EngineLog
+
+logger = logging.getLogger("kvstate.vllm")
+
+
+def _table(block_ids: Any, groups: int) -> BlockTable:
+    if not block_ids:
+        return tuple(() for _ in range(groups))
+    return tuple(tuple(ids) for ids in block_ids)
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, variant: Variant, *, lookup_store: Any,
+                 log: EngineLog) -> None:
+        self.config = config
+        self.planner = Planner(config, variant)
+        self.groups = len(config.groups)
+        self.store = lookup_store
+        self.log = log
+        self.pool: Any = None
+        self.requests: dict[str, Any] = {}
+        self.sent_hashes: dict[str, int] = {}
+        self.finishing: set[str] = set()  # finished, not yet told to the planner
+        self.hits: dict[str, int] = {}  # a lookup's answer until the request is allocated
+        self.local_hits: dict[str, int] = {}  # tokens vLLM's own prefix cache provided
+        self.events: list[Any] = []
+        self.pins_held = 0
+        self.totals: dict[str, int] = {}  # counters summed over every stats() call
+        self.counters = {"lookups": 0, "lookup_hit_tokens": 0, "lookup_errors": 0,
+                         "jobs_emitted": 0, "jobs_released": 0, "events_published": 0,
+                         "events_dropped": 0}
+
+    @property
+    def step(self) -> int:
+        return self.planner._step
+
+    # ------------------------------------------------------------------
+    # Inside schedule(): lookups and allocations.
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        self.requests[req_id] = request
+        self.local_hits[req_id] = num_computed_tokens
+        if self.store is None:
+            return 0, False
+        if req_id in self.finishing:
+            return 0, False  # the id's previous request is not closed yet (see finished())
+        tracker = self.planner.trackers.get(req_id)
+        if tracker is not None and tracker.state is RequestState.PREEMPTED:
+            return 0, False  # a resumption recomputes (see the module docstring)
+        hit = self.hits.get(req_id)
+        if hit is None:
+            hit = self._lookup(request)
+        need = hit - num_computed_tokens
+        # Synchronous loads: vLLM loads before the forward pass that reads them.
+        return (need, False) if need > 0 else (0, False)
+
+    def _lookup(self, request: Any) -> int:
+        req_id = request.request_id
+        hashes = tuple(request.block_hashes)
+        prompt_len = request.num_tokens
+        query = self.planner.lookup(req_id, prompt_len, hashes)
+        present: tuple[bool, ...] = ()
+        if query.keys:
+            try:
+                present = tuple(self.store.exists(query.keys))
+            except Exception as exc:  # noqa: BLE001 - a failed lookup is a miss
+                self.counters["lookup_errors"] += 1
+                logger.warning("kvstate lookup of %s failed: %s", req_id, exc)
+                present = (False,) * len(query.keys)
+        hit = self.planner.lookup_answered(query, present)
+        self.hits[req_id] = hit
+        self.counters["lookups"] += 1
+        self.counters["lookup_hit_tokens"] += hit
+        if self.log.active:
+            self.log.scheduling(self.step + 1, LookupDone(
+                req_id, query.generation, prompt_len, hashes, query.keys, present, hit))
+        return hit
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        self.requests[req_id] = request
+        self.hits.pop(req_id, None)
+        if req_id in self.finishing:
+            return  # the step's new-request record starts the new generation
+        tracker = self.planner.trackers.get(req_id)
+        if tracker is not None and tracker.state is RequestState.PREEMPTED:
+            return  # the step's resumption record starts the new generation
+        table = _table(blocks.get_block_ids(), self.groups)
+        local = self.local_hits.pop(req_id, 0)
+        self.planner.allocate(req_id, table, local, num_external_tokens, False)
+        if self.log.active:
+            self.log.scheduling(self.step + 1, Allocated(
+                req_id, table, local, num_external_tokens, False))
+
+    def finished(self, req_id: str) -> None:
+        """``request_finished``: vLLM tells the planner at its next
+        ``build_connector_meta`` (``finished_req_ids``), but a client may
+        reuse the id inside that very ``schedule()``, before the old
+        generation is closed. Such a request gets no lookup (a lost hit,
+        never a mixed-up generation) and its new generation starts from the
+        step's new-request record, after the old one ended."""
+        self.finishing.add(req_id)
+
+    # ------------------------------------------------------------------
+    # build_connector_meta.
+
+    def build(self, so: Any) -> Plan:
+        sched = self._scheduler_step(so)
+        plan = self.planner.step(sched)
+        pool = self.pool
+        if pool is not None:
+            if plan.pins:
+                pool.touch([pool.blocks[b] for b in plan.pins])
+            if plan.releases:
+                pool.free_blocks(pool.blocks[b] for b in plan.releases)
+        self.pins_held += len(plan.pins) - len(plan.releases)
+        self.counters["jobs_emitted"] += len(plan.saves)
+        if self.log.active:
+            self.log.scheduling(plan.step, StepScheduled(sched))
+            self.log.scheduling(plan.step, Planned(plan))
+        reused = {r.req_id for r in sched.new}
+        for req_id in sched.finished:
+            self.finishing.discard(req_id)
+            if req_id in reused:
+                continue  # the id's new request, admitted in this very step
+            self.requests.pop(req_id, None)
+            self.sent_hashes.pop(req_id, None)
+            self.hits.pop(req_id, None)
+            self.local_hits.pop(req_id, None)
+        return plan
+
+    def _scheduler_step(self, so: Any) -> SchedulerStep:
+        groups = self.groups
+        trackers = self.planner.trackers
+        requests = self.requests
+        new: list[NewRequest] = []
+        resumed: list[ResumedRequest] = []
+        cached: list[CachedRequest] = []
+        scheduled = so.num_scheduled_tokens
+        for data in so.scheduled_new_reqs:
+            req_id = data.req_id
+            request = requests[req_id]
+            hashes = tuple(request.block_hashes)
+            self.sent_hashes[req_id] = len(hashes)
+            table = _table(data.block_ids, groups)
+            tracker = trackers.get(req_id)
+            if tracker is not None and tracker.state is RequestState.PREEMPTED:
+                # vLLM's other resume shape: a preempted request scheduled as new.
+                resumed.append(ResumedRequest(req_id, tuple(request.all_token_ids),
+                                              data.num_computed_tokens, scheduled[req_id],
+                                              table, hashes))
+            else:
+                new.append(NewRequest(req_id, tuple(data.prompt_token_ids or ()),
+                                      data.num_computed_tokens, scheduled[req_id], table,
+                                      hashes))
+        cd = so.scheduled_cached_reqs
+        drafts = so.scheduled_spec_decode_tokens
+        for i, req_id in enumerate(cd.req_ids):
+            request = requests[req_id]
+            computed = cd.num_computed_tokens[i]
+            hashes_all = request.block_hashes
+            if req_id in cd.resumed_req_ids:
+                self.sent_hashes[req_id] = len(hashes_all)
+                resumed.append(ResumedRequest(req_id, tuple(request.all_token_ids), computed,
+                                              scheduled[req_id], _table(cd.new_block_ids[i], groups),
+                                              tuple(hashes_all)))
+                continue
+            real = scheduled[req_id] - len(drafts.get(req_id, ()))
+            tokens = tuple(request.all_token_ids[computed:computed + real])
+            sent = self.sent_hashes.get(req_id, 0)
+            self.sent_hashes[req_id] = len(hashes_all)
+            cached.append(CachedRequest(req_id, computed, tokens,
+                                        _table(cd.new_block_ids[i], groups),
+                                        tuple(hashes_all[sent:])))
+        return SchedulerStep(tuple(new), tuple(cached), tuple(resumed),
+                             tuple(sorted(so.preempted_req_ids or ())),
+                             tuple(sorted(so.finished_req_ids)))
+
+    # ------------------------------------------------------------------
+    # update_connector_output.
+
+    def settle(self, reports: list[Report], load_reports: list[Any],
+               observations: list[Any]) -> None:
+        step = self.step
+        log = self.log
+        if log.active:
+            log.ranks(observations)
+        if load_reports:
+            self.planner.on_load_reports(load_reports)
+        if reports:
+            settlement = self.planner.on_reports(reports)
+            pool = self.pool
+            if pool is not None and settlement.releases:
+                pool.free_blocks(pool.blocks[b] for b in settlement.releases)
+            self.pins_held -= len(settlement.releases)
+            self.counters["jobs_released"] += len(settlement.released_jobs)
+            self.counters["events_published"] += len(settlement.published)
+            self.counters["events_dropped"] += settlement.dropped_events
+            if settlement.published:
+                self.events.extend(settlement.published)
+            if log.active:
+                for report in reports:
+                    log.settlement(step, ReportDelivered(report))
+                log.settlement(step, Settled(settlement))
+        if log.active:
+            log.flush(step)
+
+    def take_events(self) -> Iterator[Any]:
+        """Published ``BlockStored`` events as vLLM's own records."""
+        if not self.events:
+            return
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        events, self.events = self.events, []
+        for event in events:
+            parent = event.parent_block_hash
+            yield BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                token_ids=list(event.token_ids),
+                block_size=event.block_size,
+                lora_id=None,
+                medium=event.medium,
+                lora_name=None,
+                group_idx=event.group_idx,
+            )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the last call, plus gauges: pin references held on
+        engine blocks and save jobs awaiting their ranks' reports."""
+        data: dict[str, Any] = dict(self.counters)
+        for name, value in self.counters.items():
+            self.totals[name] = self.totals.get(name, 0) + value
+            self.counters[name] = 0
+        data["pins_held"] = self.pins_held
+        data["jobs_in_flight"] = len(self.planner.jobs)
+        return data

@@ -1,0 +1,341 @@
+"""The connector's worker role: one ``kvstate.executor.Executor`` per TP rank.
+
+Theory of operation
+-------------------
+vLLM calls a worker connector on the model runner's thread, once per engine
+step, in this order (vLLM 0.33.0): ``bind_connector_metadata``,
+``start_load_kv`` (before the forward pass when the step has synchronous
+loads, after its launch otherwise), ``wait_for_save``, ``get_finished``,
+``get_block_ids_with_load_errors``, ``build_connector_worker_meta``.
+
+- ``start_load_kv`` performs the step's loads (the plan's ``LoadMeta``s) at
+  once, as blocking reads into the blocks vLLM allocated; a key that reads
+  short or fails is reported by ``get_block_ids_with_load_errors`` so the
+  engine recomputes it (S19). kvstate asks vLLM for synchronous loads, so the
+  forward pass never reads a block the store has not filled yet.
+- ``wait_for_save`` hands the plan to the executor *after* the forward pass
+  wrote this step's KV: generations end, ledger entries are registered, jobs
+  are queued (S5: ledger first). Only then can the send thread read the
+  blocks, which is what makes the stored bytes the bytes of the key's prefix.
+- The send thread takes queued jobs in FIFO order and performs each store call
+  the executor asks for *outside* the lock, feeding the answer back *inside*
+  it. The executor is the single source of behaviour; this class only moves
+  bytes and answers. Every path ends in a ``Report`` (a call that raises or
+  times out included), because the scheduler releases a job's pins only when
+  every rank reported it.
+- ``build_connector_worker_meta`` ships reports, load reports and (when a
+  trace or the online monitor is on) this rank's observations to the
+  scheduler; vLLM aggregates the ranks' metadata with ``aggregate``.
+
+The executor's clock is the number of the last plan this rank received: a
+pressure backoff is counted in engine steps, and a recorded trace replays to
+the same verdicts (the trace's time is that step number).
+
+Byte layout. Each layer's KV tensor is blocks-first; a block's value in the
+store is, per layer in ``kv_caches`` order, that layer's bytes of the block —
+the layout upstream's rank-local store layout writes, so either connector
+reads what the other stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvstate.config import ConnectorConfig
+from kvstate.executor import Executor, RankJob
+from kvstate.observations import (
+    ExistsAnswered,
+    LoadDone,
+    Observation,
+    PutDone,
+    StoreCallRaised,
+)
+from kvstate.records import ExistsCall, LoadReport, Plan, PutCall, Report
+from kvstate.variants import Variant
+
+logger = logging.getLogger("kvstate.vllm")
+
+
+@attrs.frozen(slots=True)
+class RankObservation:
+    """One observation of a rank, with where it belongs in the engine's order:
+    ``plan`` is the step of the last plan the rank had taken when it happened,
+    ``shipped`` the step whose worker metadata carried it."""
+
+    plan: int
+    shipped: int
+    rank: int
+    seq: int
+    observation: Observation
+
+
+@attrs.define(slots=True)
+class RankCounters:
+    """What a rank did since its counters were last read (vLLM's stats are
+    per interval: the aggregator sums the ranks' values)."""
+
+    jobs_reported: int = 0
+    exists_calls: int = 0
+    exists_keys: int = 0
+    dedup_hits: int = 0
+    keys_put: int = 0
+    bytes_put: int = 0
+    put_failures: int = 0
+    pressure_rejections: int = 0
+    store_errors: int = 0
+    keys_loaded: int = 0
+    bytes_loaded: int = 0
+    load_failures: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
+class KVLayout:
+    """Where a block's bytes live: per layer, a base address and a block length."""
+
+    def __init__(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        self.tensors: list[Any] = []
+        self.bases: list[int] = []
+        self.lengths: list[int] = []
+        for name, tensor in kv_caches.items():
+            if not hasattr(tensor, "data_ptr"):
+                raise ValueError(f"register_kv_caches: layer {name!r} is not a tensor "
+                                 f"({type(tensor).__name__}); Mamba state is not supported")
+            if tensor.shape[0] != num_blocks:
+                raise ValueError(
+                    f"register_kv_caches: layer {name!r} has shape {tuple(tensor.shape)}; "
+                    f"expected blocks first ({num_blocks} blocks on dimension 0)")
+            if not tensor.is_contiguous():
+                raise ValueError(f"register_kv_caches: layer {name!r} is not contiguous")
+            self.tensors.append(tensor)
+            self.bases.append(tensor.data_ptr())
+            self.lengths.append(tensor.stride(0) * tensor.element_size())
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
+
+    def buffers(self, block: int) -> tuple[list[int], list[int]]:
+        return ([base + block * length for base, length in zip(self.bases, self.lengths)],
+                list(self.lengths))
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, rank: int, variant: Variant, store: Any,
+                 *, record: bool) -> None:
+        self.config = config
+        self.rank = rank
+        self.store = store
+        self.lock = threading.Lock()
+        self.plan_step = 0  # the last plan this rank took (its clock)
+        self.shipped = 0  # worker metadata built so far
+        self._seq = 0
+        self.record = record
+        self.executor = Executor(config, rank, variant, clock=self._clock,
+                                 observer=self._observe if record else None)
+        self.observations: list[RankObservation] = []
+        # (plan, rank, seq) orders reports as the trace orders their jobs' lines.
+        self.reports: list[tuple[tuple[int, int, int], Report]] = []
+        self.load_reports: list[LoadReport] = []
+        self.load_errors: set[int] = set()
+        self.counters = RankCounters()
+        self.totals: dict[str, int] = {}  # counters summed over every take_counters()
+        self.layout: KVLayout | None = None
+        self.in_flight: RankJob | None = None
+        self._work = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._registered: list[int] = []
+
+    def _clock(self) -> float:
+        return float(self.plan_step)
+
+    def _observe(self, obs: Observation, plan: int | None = None) -> None:
+        """Called with ``self.lock`` held: the rank's observations are totally ordered."""
+        self._seq += 1
+        self.observations.append(RankObservation(
+            self.plan_step if plan is None else plan, self.shipped + 1, self.rank, self._seq, obs))
+
+    # ------------------------------------------------------------------
+    # Set-up and teardown.
+
+    def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        self.layout = KVLayout(kv_caches, num_blocks)
+        for ptr, size in self.layout.regions():
+            self.store.register(ptr, size)
+            self._registered.append(ptr)
+        self._thread = threading.Thread(target=self._send_loop, daemon=True,
+                                        name=f"kvstate-send-rank{self.rank}")
+        self._thread.start()
+
+    def close(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self._work.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.store.timeout + 1)
+        for ptr in self._registered:
+            try:
+                self.store.unregister(ptr)
+            except Exception:  # noqa: BLE001 - a broken store cannot unregister
+                break
+        self._registered = []
+
+    # ------------------------------------------------------------------
+    # The model runner's thread.
+
+    def load(self, plan: Plan) -> None:
+        """Perform the plan's loads now (before the forward pass reads them)."""
+        layout = self.layout
+        for load in plan.loads:
+            with self.lock:
+                call = self.executor.load_call(load)
+            ptrs, sizes = [], []
+            for block in call.block_ids:
+                p, s = layout.buffers(block) if layout is not None else ([], [])
+                ptrs.append(p)
+                sizes.append(s)
+            try:
+                got = self.store.get(list(call.keys), ptrs, sizes) if call.keys else []
+            except Exception as exc:  # noqa: BLE001 - a failed read is a load error
+                logger.warning("kvstate rank %d: load of %s failed: %s", self.rank,
+                               call.req_id, exc)
+                got = [-1] * len(call.keys)
+            ok = [g == sum(s) for g, s in zip(got, sizes)]
+            with self.lock:
+                report = self.executor.load_answered(call, ok)
+                failed = tuple(b for b, good in zip(call.block_ids, ok) if not good)
+                self.counters.keys_loaded += sum(ok)
+                self.counters.bytes_loaded += sum(sum(s) for s, good in zip(sizes, ok) if good)
+                self.counters.load_failures += len(failed)
+                if self.record:
+                    self._observe(LoadDone(self.rank, call.req_id, call.generation, failed,
+                                           report.failed_block_ids), plan.step)
+                self.load_reports.append(report)
+                self.load_errors.update(report.failed_block_ids)
+
+    def take_plan(self, plan: Plan) -> None:
+        """After the forward pass: end generations, register and queue jobs."""
+        with self.lock:
+            self.plan_step = plan.step
+            self.executor.receive(plan, loads=False)
+            if self.executor.queue:
+                self._work.set()
+
+    def take_load_errors(self) -> set[int]:
+        with self.lock:
+            errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def take_output(self) -> tuple[list[tuple[tuple[int, int, int], Report]], list[LoadReport],
+                                   list[RankObservation]]:
+        with self.lock:
+            self.shipped += 1
+            out = (self.reports, self.load_reports, self.observations)
+            self.reports, self.load_reports, self.observations = [], [], []
+        return out
+
+    def take_counters(self) -> dict[str, Any]:
+        with self.lock:
+            data = self.counters.as_dict()
+            for name, value in data.items():
+                self.totals[name] = self.totals.get(name, 0) + value
+            self.counters = RankCounters()
+            data["send_queue_depth"] = len(self.executor.queue) + (self.in_flight is not None)
+            data["ledger_entries"] = len(self.executor.ledger)
+        return data
+
+    # ------------------------------------------------------------------
+    # The send thread.
+
+    def _send_loop(self) -> None:
+        while True:
+            self._work.wait()
+            with self.lock:
+                if self._stopping:
+                    return
+                job = self.executor.dequeue()
+                if job is None:
+                    self._work.clear()
+                    continue
+                self.in_flight = job
+                out = self.executor.start(job)
+            self._run_job(job, out)
+
+    def _run_job(self, job: RankJob, out: ExistsCall | PutCall | Report | None) -> None:
+        while out is not None and not isinstance(out, Report):
+            call = out
+            try:
+                answer = self._perform(call)
+            except Exception as exc:  # noqa: BLE001 - every failure must still report
+                with self.lock:
+                    self.counters.store_errors += 1
+                    if self.record:
+                        self._observe(StoreCallRaised(self.rank, job.meta.job_id,
+                                                      f"{type(exc).__name__}: {exc}"))
+                    out = self.executor.raised(job, f"{type(exc).__name__}: {exc}")
+                continue
+            with self.lock:
+                out = self._answered(job, call, answer)
+        with self.lock:
+            self.in_flight = None
+            if out is not None:
+                self._seq += 1
+                self.reports.append(((self.plan_step, self.rank, self._seq), out))
+                self.counters.jobs_reported += 1
+
+    def _perform(self, call: ExistsCall | PutCall) -> list[Any]:
+        if isinstance(call, ExistsCall):
+            return list(self.store.exists(call.keys))
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("put before register_kv_caches")
+        ptrs, sizes = [], []
+        for block in call.block_ids:
+            p, s = layout.buffers(block)
+            ptrs.append(p)
+            sizes.append(s)
+        return list(self.store.put(list(call.keys), ptrs, sizes))
+
+    def _answered(self, job: RankJob, call: ExistsCall | PutCall, answer: list[Any]
+                  ) -> ExistsCall | PutCall | Report | None:
+        counters = self.counters
+        meta = job.meta
+        if isinstance(call, ExistsCall):
+            counters.exists_calls += 1
+            counters.exists_keys += len(call.keys)
+            counters.dedup_hits += sum(answer)
+            if self.record:
+                self._observe(ExistsAnswered(self.rank, meta.job_id, call.keys, tuple(answer)))
+            return self.executor.exists_answered(job, answer)
+        block_bytes = sum(self.layout.lengths) if self.layout is not None else 0
+        for key, group, cid, block, code in zip(call.keys, call.groups, call.chunk_ids,
+                                               call.block_ids, answer):
+            if code == 0:
+                counters.keys_put += 1
+                counters.bytes_put += block_bytes
+            else:
+                counters.put_failures += 1
+                counters.pressure_rejections += code == -200
+            if self.record:
+                # The bytes' content tag is not observable here: "" says so (K1 skips it).
+                self._observe(PutDone(self.rank, meta.job_id, meta.req_id, meta.generation,
+                                      key, group, cid, block, "", code, code == 0))
+        return self.executor.put_answered(job, answer)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, poll: float = 0.002) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds passed (tests, shutdown)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return predicate()

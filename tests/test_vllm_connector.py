@@ -1,0 +1,342 @@
+"""KvstateConnector inside vLLM 0.33.0's real Scheduler, against a real mooncake_master.
+
+No model and no GPU: `adapters.vllm.rig` runs vLLM's scheduler and KV cache
+manager, builds the worker connectors, and plays the forward pass by writing
+prefix-derived values into CPU KV tensors. Every scenario runs with the online
+monitor raising on any invariant, writes a trace, and that trace must pass
+``kvstate check`` and replay identically with ``kvstate replay``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("torch")
+
+from adapters.master import Master  # noqa: E402
+from adapters.vllm.rig import Rig, make_vllm_config, tiny_model_dir  # noqa: E402
+from sim.check import check_trace  # noqa: E402
+from sim.replay import replay_trace  # noqa: E402
+
+BS = 16
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [1000 + (salt * 7919 + i * 31) % 20000 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def store_config(mooncake_master, tmp_path, monkeypatch):
+    """MOONCAKE_CONFIG_PATH for the connectors, pointing at the session master."""
+    return _store_config(mooncake_master.address, tmp_path, monkeypatch)
+
+
+def _store_config(address, tmp_path, monkeypatch, segment: str = "64mb"):
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": address, "metadata_server": "P2PHANDSHAKE",
+                                "protocol": "tcp", "global_segment_size": segment,
+                                "local_buffer_size": "32mb"}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    return path
+
+
+class Engines:
+    """Engines of one test share a key namespace (their own cache prefix) and
+    each writes its own trace; ``close`` checks and replays every trace."""
+
+    def __init__(self, model_dir, tmp_path, **extra):
+        self.model_dir = model_dir
+        self.tmp_path = tmp_path
+        self.extra = {"cache_prefix": f"t{uuid.uuid4().hex[:8]}", "kvstate_monitor": "raise",
+                      **extra}
+        self.rigs: list[Rig] = []
+        self.traces: list[str] = []
+
+    def engine(self, num_blocks: int = 64, tp: int = 1, put_step: int = 1, **config) -> Rig:
+        trace = str(self.tmp_path / f"engine{len(self.rigs)}.jsonl")
+        extra = dict(self.extra, kvstate_trace=trace)
+        if put_step > 1:
+            extra["kvstate_put_step"] = put_step
+        head_dim = config.pop("head_dim", 8)
+        vc = make_vllm_config(self.model_dir, extra=extra, num_blocks=num_blocks, tp=tp, **config)
+        rig = Rig(vc, num_blocks, put_step=put_step, head_dim=head_dim)
+        self.rigs.append(rig)
+        self.traces.append(trace)
+        return rig
+
+    def close(self, *, check: bool = True) -> None:
+        for rig in self.rigs:
+            rig.close()
+        if not check:
+            return
+        for trace in self.traces:
+            checked = check_trace(trace)
+            assert checked.ok, [str(v) for v in checked.violations][:5]
+            replayed = replay_trace(trace)
+            assert replayed.ok, replayed.divergence
+
+
+@pytest.fixture
+def engines(model_dir, tmp_path, store_config):
+    made: list[Engines] = []
+
+    def make(**extra) -> Engines:
+        e = Engines(model_dir, tmp_path, **extra)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        for rig in e.rigs:
+            rig.close()
+
+
+def settled(rig: Rig) -> None:
+    """Nothing left: no pins, no jobs, every engine block free again. A rank
+    forgets a finished generation whose last job was still running when the
+    finish arrived at its next step (upstream's deferred delete): one more
+    engine step comes first."""
+    rig.step()
+    side = rig.connector.scheduler
+    assert side.pins_held == 0
+    assert not side.planner.jobs
+    pool = rig.scheduler.kv_cache_manager.block_pool
+    assert all(block.ref_cnt == 0 for block in pool.blocks[1:])
+    for worker in rig.workers:
+        assert not worker.worker.executor.queue and len(worker.worker.executor.ledger) == 0
+
+
+def loaded_blocks_hold(rig: Rig, req_id: str, tokens: list[int], hit: int) -> int:
+    """Check every rank's copy of the blocks a request loaded; return how many."""
+    (table,) = rig.scheduler.kv_cache_manager.get_block_ids(req_id)
+    for rank in range(len(rig.workers)):
+        for index in range(hit // BS):
+            assert rig.block_holds(rank, table[index], tokens, index * BS), (
+                f"rank {rank} block {table[index]} (chunk {index}) holds the wrong bytes")
+    return hit // BS
+
+
+def test_round_trip_a_second_engine_loads_what_the_first_stored(engines) -> None:
+    e = engines(save_decode_cache=False)
+    first = e.engine()
+    shared = prompt(64, salt=1)
+    first.add("a", shared + prompt(7, salt=2), max_tokens=3)
+    first.run()
+    first.drain()
+    first.run()
+    settled(first)
+    totals = first.totals()
+    assert totals["keys_put"] == 4  # the prompt's four full blocks, once each
+
+    second = e.engine()
+    tokens = shared + prompt(5, salt=3)
+    second.add("b", tokens, max_tokens=2)
+    so = second.step()
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 64  # four blocks from the store
+    assert loaded_blocks_hold(second, "b", tokens, 64) == 4
+    second.run()
+    assert second.invalid_block_ids == set()
+    assert second.totals()["keys_loaded"] == 4
+    e.close()
+
+
+def test_decode_phase_kv_is_saved_and_served(engines) -> None:
+    e = engines(save_decode_cache=True)
+    first = e.engine()
+    first.add("a", prompt(20, salt=4), max_tokens=40)
+    first.run()
+    first.drain()
+    first.run()
+    settled(first)
+    request = first.requests["a"]
+    full = list(request.all_token_ids)
+    assert len(full) == 60
+    # Saved: the prompt's one full block at prefill, then each block decode filled.
+    assert first.totals()["keys_put"] == 59 // BS
+
+    second = e.engine()
+    second.add("b", full[:48] + [7, 7, 7], max_tokens=3)
+    so = second.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 48  # decode-phase blocks hit
+    assert loaded_blocks_hold(second, "b", full[:48] + [7, 7, 7], 48) == 3
+    second.run()
+    e.close()
+
+
+def test_preemption_from_a_small_block_pool_leaves_nothing_pinned(engines) -> None:
+    e = engines(save_decode_cache=True)
+    rig = e.engine(num_blocks=12)
+    for i in range(3):
+        rig.add(f"r{i}", prompt(40, salt=10 + i), max_tokens=40)
+    rig.run()
+    rig.drain()
+    rig.run()
+    assert sum(r.num_preemptions for r in rig.requests.values()) > 0
+    assert sorted(rig.finished) == ["r0", "r1", "r2"]
+    settled(rig)
+    e.close()
+
+
+def test_request_id_reused_in_the_very_next_step(engines) -> None:
+    e = engines(save_decode_cache=True)
+    rig = e.engine()
+    rig.add("a", prompt(40, salt=20), max_tokens=2)
+    while "a" not in rig.finished:
+        rig.step()
+    rig.add("a", prompt(50, salt=21), max_tokens=20)  # same id, a stale job may be in flight
+    rig.run()
+    rig.drain()
+    rig.run()
+    settled(rig)
+    e.close()
+
+
+@pytest.mark.parametrize("put_step", [1, 2])
+def test_two_ranks_store_and_load_their_own_shards(engines, put_step) -> None:
+    e = engines(save_decode_cache=True)
+    first = e.engine(tp=2, put_step=put_step)
+    shared = prompt(64, salt=30)
+    first.add("a", shared + [1, 2, 3], max_tokens=20)
+    first.run()
+    first.drain()
+    first.run()
+    settled(first)
+    stored = first.totals()["keys_put"]
+    # put_step 1: every rank stores every chunk; 2: the ranks split the chunks.
+    assert stored == (2 * 5 if put_step == 1 else 5)
+
+    second = e.engine(tp=2, put_step=put_step)
+    tokens = shared + [4, 5]
+    second.add("b", tokens, max_tokens=3)
+    so = second.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 64
+    loaded_blocks_hold(second, "b", tokens, 64)
+    second.run()
+    e.close()
+
+
+def test_a_full_store_puts_minus_200_and_the_engine_keeps_serving(model_dir, tmp_path,
+                                                                  monkeypatch) -> None:
+    master = Master()  # its own master: capacity is what the test's clients contribute
+    try:
+        _store_config(master.address, tmp_path, monkeypatch, segment="16mb")
+        e = Engines(model_dir, tmp_path, save_decode_cache=True)
+        # Blocks of 512 KiB and 2 x 16 MiB of segments: about 60 keys fit.
+        rig = e.engine(num_blocks=140, head_dim=1024)
+        for i in range(4):
+            rig.add(f"r{i}", prompt(480, salt=40 + i), max_tokens=20)
+        rig.run()
+        rig.drain()
+        rig.run()
+        totals = rig.totals()
+        assert totals["pressure_rejections"] > 0
+        assert sorted(rig.finished) == ["r0", "r1", "r2", "r3"]
+        settled(rig)
+        e.close()
+    finally:
+        master.stop()
+
+
+def test_a_put_that_raises_is_reported_and_retried(engines) -> None:
+    e = engines(save_decode_cache=True)
+    rig = e.engine()
+    store = rig.workers[0].worker.store
+    real_put = store.put
+    calls = {"n": 0}
+
+    def flaky_put(keys, ptrs, sizes):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionError("injected: transfer engine lost the connection")
+        return real_put(keys, ptrs, sizes)
+
+    store.put = flaky_put
+    rig.add("a", prompt(40, salt=50), max_tokens=30)
+    rig.run()
+    rig.drain()
+    rig.run()
+    totals = rig.totals()
+    assert totals["store_errors"] == 1
+    assert totals["keys_put"] == 69 // BS  # the failed chunks were stored by a later job
+    settled(rig)
+    e.close()
+
+
+def test_a_killed_master_costs_hits_not_correctness(model_dir, tmp_path, monkeypatch) -> None:
+    master = Master()
+    _store_config(master.address, tmp_path, monkeypatch)
+    e = Engines(model_dir, tmp_path, save_decode_cache=True, kvstate_store_timeout=1.0)
+    try:
+        rig = e.engine()
+        rig.add("a", prompt(40, salt=60), max_tokens=5)
+        rig.run()
+        rig.drain()
+        master.stop()  # the store is gone; the engine must keep serving
+        rig.add("b", prompt(40, salt=60) + [9], max_tokens=20)
+        rig.add("c", prompt(64, salt=61), max_tokens=20)
+        rig.run(max_steps=20000)
+        assert sorted(rig.finished) == ["a", "b", "c"]
+        assert rig.totals()["store_errors"] > 0
+        settled(rig)
+        e.close()
+    finally:
+        master.stop()
+
+
+def test_worker_built_through_vllms_own_initialisation(model_dir, tmp_path, store_config) -> None:
+    """The worker role as vLLM's model runner gets it: distributed state
+    initialised (gloo, world size 1), then ``ensure_kv_transfer_initialized``."""
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_initialized
+
+    from adapters.master import free_port
+    from adapters.vllm.connector import KvstateConnector
+    from adapters.vllm.rig import make_kv_cache_config
+
+    trace = str(tmp_path / "engine.jsonl")
+    extra = {"cache_prefix": f"t{uuid.uuid4().hex[:8]}", "kvstate_trace": trace,
+             "kvstate_monitor": "raise"}
+    from vllm.config import set_current_vllm_config
+
+    vc = make_vllm_config(model_dir, extra=extra, num_blocks=32)
+    with set_current_vllm_config(vc):
+        if not ps.model_parallel_is_initialized():
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            ps.ensure_model_parallel_initialized(1, 1)
+        ensure_kv_transfer_initialized(vc, make_kv_cache_config(32, BS))
+    worker = get_kv_transfer_group()
+    assert isinstance(worker, KvstateConnector) and worker.worker is not None
+    rig = Rig(vc, 32, workers=[worker])
+    try:
+        rig.add("a", prompt(40, salt=70), max_tokens=4)
+        rig.run()
+        rig.drain()
+        rig.run()
+        assert rig.totals()["keys_put"] == 2
+        settled(rig)
+    finally:
+        rig.close()
+        import vllm.distributed.kv_transfer.kv_transfer_state as state
+
+        state._KV_CONNECTOR_AGENT = None
+    assert check_trace(trace).ok and replay_trace(trace).ok
+
+
+def test_bad_extra_config_is_refused_with_the_field(model_dir, store_config) -> None:
+    with pytest.raises(ValueError, match="kvstate_protocol.*unknown protocol"):
+        Rig(make_vllm_config(model_dir, extra={"kvstate_protocol": "e9"}), 16)
+    with pytest.raises(ValueError, match="unknown kvstate field"):
+        Rig(make_vllm_config(model_dir, extra={"kvstate_montior": "raise"}), 16)
