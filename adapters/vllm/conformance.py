@@ -78,12 +78,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector impor
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (  # noqa: E402
     ChunkedTokenDatabase,
     KeyMetadata,
+    MooncakeStoreWorkerMetadata,
     ReqMeta,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler import (  # noqa: E402
+    MooncakeStoreScheduler,
 )
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    BlockHash,
     get_request_block_hasher,
     init_none_hash,
     maybe_convert_block_hash,
@@ -612,7 +617,7 @@ class KvstateRank:
 
 
 def _hash(h: bytes | None) -> Any:
-    return None if h is None else maybe_convert_block_hash(h)
+    return None if h is None else maybe_convert_block_hash(BlockHash(h))
 
 
 def upstream_event(e: Any) -> tuple[Any, ...]:
@@ -735,8 +740,9 @@ class Conformance:
         vc = vllm_config(setup)
         self.connector = MooncakeStoreConnector(vc, KVConnectorRole.SCHEDULER,
                                                 kv_cache_config(setup))
-        self.scheduler = self.connector.connector_scheduler
-        assert self.scheduler is not None
+        scheduler = self.connector.connector_scheduler
+        assert scheduler is not None
+        self.scheduler: MooncakeStoreScheduler = scheduler
         self.scheduler.bind_gpu_block_pool(self.engine.pool)
         self.aggregator = KVOutputAggregator(setup.world_size)
         self.store_up = StoreBacking(faults)
@@ -839,6 +845,7 @@ class Conformance:
             events = up.connector.get_kv_connector_kv_cache_events()
             reports = ks.take_reports()
             ks_reports.extend(reports)
+            assert worker_meta is None or isinstance(worker_meta, MooncakeStoreWorkerMetadata)
             up_done = dict(sorted((worker_meta.completed_saves if worker_meta else {}).items()))
             ks_done: dict[int, int] = {}
             for r in reports:
@@ -856,9 +863,10 @@ class Conformance:
                 kv_connector_worker_meta=worker_meta, kv_cache_events=events)))
         merged = self.aggregator.aggregate(outputs)  # type: ignore[arg-type]
         before = set(self.scheduler._pinned_saves)
-        if merged is not None and merged.kv_connector_output is not None and meta is not None:
+        merged_output = merged.kv_connector_output if merged is not None else None
+        if merged_output is not None and meta is not None:
             self._guard(found, "update_connector_output",
-                        lambda: self.connector.update_connector_output(merged.kv_connector_output))
+                        functools.partial(self.connector.update_connector_output, merged_output))
         for job in before - set(self.scheduler._pinned_saves):
             self.pins_released[job] = step
         up_published = [upstream_event(e) for e in self.connector.take_events()]
