@@ -30,9 +30,10 @@ from typing import Any
 
 import attrs
 
+from kvstate.blockhash import KVSTATE, BlockHasher
 from kvstate.config import ConnectorConfig
 from kvstate.events import BlockStored
-from kvstate.keys import block_hash, chunk_hash, key_prefix
+from kvstate.keys import chunk_hash, key_prefix
 from kvstate.observations import (
     BlockAllocated,
     BlockFreed,
@@ -112,7 +113,9 @@ CATALOGUE: tuple[Invariant, ...] = (
     Invariant("S16", "A published event's chunk was reported stored by a rank of every "
               "namespace (published only at quorum)",
               "safety", "Settled", "e2", "evicted-and-reput", "REFERENCE §11"),
-    Invariant("S17", "A KV event's token ids are the chunk's tokens, or empty", "safety",
+    Invariant("S17", "A KV event's token ids are the chunk's tokens, or empty (recomputed with "
+              "the hash function the trace's header names; not judged where it cannot be)",
+              "safety",
               "JobFinished", "snapshot-from-zero", "snapshot-events", "vLLM#52466"),
     Invariant("S18", "Ledger entries of finished requests are eventually deleted", "liveness",
               "Quiescent", "req-id-counter-ledger", "preempt-with-queued-job", "vLLM#51662"),
@@ -129,8 +132,9 @@ CATALOGUE: tuple[Invariant, ...] = (
     Invariant("S23", "A request is never scheduled in the step it is preempted", "safety",
               "Planned", "fault: engine schedules a preempted request", "synthetic",
               "REFERENCE §6"),
-    Invariant("K1", "The content stored under a key is exactly that key's prefix shard",
-              "safety", "PutDone", "e1", "preempt-running-job", "vLLM#52360"),
+    Invariant("K1", "The content stored under a key is exactly that key's prefix shard (a put "
+              "whose content was not observed, \"\", is not judged)", "safety", "PutDone", "e1",
+              "preempt-running-job", "vLLM#52360"),
     Invariant("K2", "A job reads only its own generation's rank state (offset, retry suffix)",
               "safety", "JobStarted", "retry-keyed-by-request", "reuse-with-failed-retry",
               "vLLM#51637, #52466"),
@@ -169,17 +173,31 @@ def broken_by(variant: str) -> tuple[str, ...]:
 EVICTED_MEMORY = 1 << 17
 
 
-def _key_fields(key: str) -> tuple[str, int, int]:
-    """(hash hex, namespace, group) of a store key."""
-    head, digest = key.rsplit("@", 1)
-    ns = int(head.split("@tp_rank:", 1)[1].split("@", 1)[0])
-    group = int(head.rsplit("@group:", 1)[1])
-    return digest, ns, group
+def _key_fields(key: str) -> tuple[str, int, int] | None:
+    """(hash hex, namespace, group) of a store key in kvstate's (upstream's)
+    format, ``None`` for a key in any other format."""
+    head, sep, digest = key.rpartition("@")
+    _, tp, rest = head.partition("@tp_rank:")
+    ns_text = rest.partition("@")[0]
+    group_text = head.rpartition("@group:")[2]
+    if not (sep and tp and ns_text.isascii() and ns_text.isdigit() and group_text.isascii()
+            and group_text.isdigit() and len(ns_text) < 10 and len(group_text) < 10):
+        return None
+    return digest, int(ns_text), int(group_text)
 
 
-def expected_content(key: str) -> str:
-    digest, ns, group = _key_fields(key)
+def expected_content(key: str) -> str | None:
+    """The content tag K1 expects under ``key`` (``None``: not kvstate's key format)."""
+    fields = _key_fields(key)
+    if fields is None:
+        return None
+    digest, ns, group = fields
     return f"{digest}|ns{ns}|g{group}"
+
+
+def key_digest(key: str) -> str:
+    """The hash part of a key: after its last ``@`` (the whole key if none)."""
+    return key.rpartition("@")[2]
 
 
 class _Gen:
@@ -200,11 +218,12 @@ class _Gen:
 
 
 class _Job:
-    __slots__ = ("gen", "emitted_at", "started_at", "token_len", "checked", "reports")
+    __slots__ = ("gen", "emitted_at", "step", "started_at", "token_len", "checked", "reports")
 
-    def __init__(self, gen: GenKey, emitted_at: int) -> None:
+    def __init__(self, gen: GenKey, emitted_at: int, step: int) -> None:
         self.gen = gen
         self.emitted_at = emitted_at
+        self.step = step
         self.started_at: dict[int, int] = {}
         self.token_len = 0
         self.checked: dict[int, set[str]] = {}
@@ -213,19 +232,30 @@ class _Job:
 
 class Monitor:
     def __init__(self, config: ConnectorConfig, only: Sequence[str] | None = None,
-                 store_view: set[str] | None = None) -> None:
+                 store_view: set[str] | None = None, block_hash: str = KVSTATE,
+                 none_hash: bytes | None = None) -> None:
         """``store_view``: the keys believed stored; engines sharing one store
-        share one view (each monitor sees only its own engine's puts)."""
+        share one view (each monitor sees only its own engine's puts).
+        ``block_hash``/``none_hash``: the engine's block-hash function
+        (`kvstate.blockhash`), which S17 recomputes."""
         self.config = config
         self.enabled = frozenset(only) if only is not None else frozenset(INVARIANTS)
         self.findings: list[Finding] = []
+        self.hasher = BlockHasher(block_hash, none_hash)
+        # (invariant, why) -> how many times a check could not be made: shown
+        # as notes, never as findings.
+        self.unchecked: Counter[tuple[str, str]] = Counter()
         self.index = -1
         self._handlers: dict[type, Any] = {}  # observation type -> bound checker (or None)
         self.gens: dict[GenKey, _Gen] = {}
         self.current: dict[str, int] = {}
         self.jobs: dict[int, _Job] = {}
         self.last_job_id = 0
+        self.step = 0  # the latest plan's step number
+        self.quiescent = False  # the latest observation was a Quiescent line
+        self.last_report: dict[int, int] = {}  # rank -> step of its latest report
         self.pinned: Counter[int] = Counter()
+        self.pinned_since: dict[int, int] = {}  # block -> step it was first pinned
         self.free: set[int] = set()
         self.freed_at: dict[int, int] = {}
         self.store: set[str] = store_view if store_view is not None else set()
@@ -257,9 +287,20 @@ class Monitor:
     def fired(self) -> set[str]:
         return {f.invariant for f in self.findings}
 
+    def skip(self, invariant: str, why: str) -> None:
+        """A check that could not be made for one observation (not a finding)."""
+        if invariant in self.enabled:
+            self.unchecked[(invariant, why)] += 1
+
+    def notes(self) -> list[str]:
+        """What the monitor could not judge, one line per invariant and reason."""
+        return [f"{inv} not checked for {count} observation{'s' if count > 1 else ''}: {why}"
+                for (inv, why), count in sorted(self.unchecked.items())]
+
     def observe(self, obs: Observation) -> None:
         self.index += 1
         kind = type(obs)
+        self.quiescent = kind is Quiescent
         try:
             handler = self._handlers[kind]
         except KeyError:
@@ -290,6 +331,7 @@ class Monitor:
     def _on_Planned(self, obs: Planned) -> None:
         plan: Plan = obs.plan
         config = self.config
+        step = self.step = plan.step
         for v in plan.violations:
             self.fail(v.invariant, v.message)
         ended = []
@@ -328,9 +370,12 @@ class Monitor:
             gen.mark = max(gen.mark, meta.token_len)
             gen.hashes[meta.hashes_start:] = meta.block_hashes
             gen.outstanding += 1
-            self.jobs[meta.job_id] = _Job(key, self.index)
+            self.jobs[meta.job_id] = _Job(key, self.index, step)
+        pinned, since = self.pinned, self.pinned_since
         for block in plan.pins:
-            self.pinned[block] += 1
+            if block not in pinned:
+                since[block] = step
+            pinned[block] += 1
         self._release(plan.releases)
         for key in ended:
             self._maybe_forget(key)
@@ -351,10 +396,12 @@ class Monitor:
             del self.current[req_id]
 
     def _release(self, blocks: Sequence[int]) -> None:
+        pinned = self.pinned
         for block in blocks:
-            self.pinned[block] -= 1
-            if self.pinned[block] <= 0:
-                del self.pinned[block]
+            pinned[block] -= 1
+            if pinned[block] <= 0:
+                del pinned[block]
+                self.pinned_since.pop(block, None)
 
     def _on_Settled(self, obs: Settled) -> None:
         settlement = obs.settlement
@@ -462,9 +509,15 @@ class Monitor:
                 self.fail("S8", f"rank {obs.rank} put chunk {obs.chunk_id} of {gen_key} under "
                           f"{obs.key!r}, expected {expected!r}")
         if obs.accepted:
-            if obs.content != expected_content(obs.key):
-                self.fail("K1", f"rank {obs.rank} job {obs.job_id} stored {obs.content!r} "
-                          f"under {obs.key!r}")
+            if not obs.content:
+                self.skip("K1", "content not observed (\"\")")
+            else:
+                expected_tag = expected_content(obs.key)
+                if expected_tag is None:
+                    self.skip("K1", "key not in kvstate's key format")
+                elif obs.content != expected_tag:
+                    self.fail("K1", f"rank {obs.rank} job {obs.job_id} stored {obs.content!r} "
+                              f"under {obs.key!r}")
             self.store.add(obs.key)
 
     def _on_JobFinished(self, obs: JobFinished) -> None:
@@ -513,15 +566,29 @@ class Monitor:
                       f"{event.parent_block_hash.hex() if event.parent_block_hash else None}, "
                       f"expected {expected.hex() if expected else None}")
         if event.token_ids:
+            ids = event.token_ids
+            if len(ids) != config.block_size:
+                self.fail("S17", f"rank {obs.rank} announced {digest.hex()} with "
+                          f"{len(ids)} token ids; a chunk holds {config.block_size}")
+                return
+            hasher = self.hasher
+            if hasher.reason:
+                self.skip("S17", hasher.reason)
+                return
             parent = gen.hashes[index - config.hashes_per_block] if index >= config.hashes_per_block else None
-            ids = list(event.token_ids)
-            size = config.hash_block
-            digest_now = parent
-            for i in range(0, len(ids), size):
-                digest_now = block_hash(digest_now, ids[i:i + size])
-            if len(ids) != config.block_size or digest_now != digest:
+            try:
+                digest_now, certain = hasher.digest(parent, ids, config.hash_block)
+            except ValueError as exc:
                 self.fail("S17", f"rank {obs.rank} announced {digest.hex()} with token ids "
-                          "that do not hash to it")
+                          f"the {hasher.name} hash cannot take ({exc})")
+                return
+            if digest_now != digest:
+                if not certain:
+                    self.skip("S17", "a request's first block and the header gives no "
+                              "none_hash (vLLM's default seed does not match)")
+                    return
+                self.fail("S17", f"rank {obs.rank} announced {digest.hex()} with token ids "
+                          f"that do not hash to it ({hasher.name})")
 
     def _on_ReportDelivered(self, obs: ReportDelivered) -> None:
         report = obs.report
@@ -531,6 +598,7 @@ class Monitor:
         if report.rank in job.reports:
             self.fail("S4", f"rank {report.rank} reported job {report.job_id} twice")
         job.reports.add(report.rank)
+        self.last_report[report.rank] = self.step
 
     # ------------------------------------------------------------------
     # Engine and store.
@@ -545,7 +613,7 @@ class Monitor:
     def _on_KeyEvicted(self, obs: KeyEvicted) -> None:
         self.store.discard(obs.key)
         try:
-            digest = bytes.fromhex(obs.key.rsplit("@", 1)[1])
+            digest = bytes.fromhex(key_digest(obs.key))
         except ValueError:
             return
         if self.known_blocks.pop(digest, 0) is None:
@@ -561,7 +629,7 @@ class Monitor:
         # require every namespace's and group's key of each hit chunk.
         hashes_seen: list[str] = []
         for key in obs.keys:
-            digest = key.rsplit("@", 1)[1]
+            digest = key_digest(key)
             if not hashes_seen or hashes_seen[-1] != digest:
                 hashes_seen.append(digest)
         for digest in hashes_seen[:hit_chunks]:
@@ -591,3 +659,69 @@ class Monitor:
                 self.fail("S18", f"{name}={count} at quiescence")
         if obs.leftovers:
             self.fail("K3", "left at quiescence: " + ", ".join(f"{n}={c}" for n, c in obs.leftovers))
+
+    # ------------------------------------------------------------------
+    # Liveness at the end of a trace.
+
+    def finish(self, liveness_steps: int = 64, at_end: str = "closed") -> list[str]:
+        """Judge liveness where a trace simply ends (a real engine writes no
+        ``Quiescent`` line; with a dead rank it keeps stepping). Ages are in
+        scheduler steps, counted to the latest plan's step. With ``at_end``
+        ``"closed"`` (the run ended with the trace) a job some rank has not
+        reported (S4, naming each rank that stopped reporting), a job every
+        rank reported but nobody released (S18) and a pinned block (S6) are
+        findings once older than ``liveness_steps``; younger ones were still in
+        flight and are notes. With ``"open"`` (a trace cut mid-run) nothing at
+        the end is a finding; all of it is listed as notes. An engine whose
+        last observation was ``Quiescent`` was judged there already.
+        Returns the notes."""
+        if at_end not in ("closed", "open"):
+            raise ValueError(f"at_end={at_end!r}: expected 'closed' or 'open'")
+        if self.quiescent:
+            return []
+        now, bound = self.step, liveness_steps
+        world = range(self.config.world_size)
+        unreported: dict[int, list[tuple[int, _Job]]] = {}
+        unreleased: list[tuple[int, _Job]] = []
+        young = 0
+        for job_id, job in self.jobs.items():
+            if now - job.step < bound:
+                young += 1
+                continue
+            missing = [r for r in world if r not in job.reports]
+            for rank in missing:
+                unreported.setdefault(rank, []).append((job_id, job))
+            if not missing:
+                unreleased.append((job_id, job))
+        old_pins = sorted((since, block) for block, since in self.pinned_since.items()
+                          if now - since >= bound)
+        young_pins = len(self.pinned_since) - len(old_pins)
+        found: list[tuple[str, str]] = []
+        for rank, jobs in sorted(unreported.items()):
+            job_id, job = jobs[0]
+            last = self.last_report.get(rank)
+            found.append(("S4", f"rank {rank} has not reported {len(jobs)} job(s) older than "
+                          f"{bound} steps (oldest: job {job_id} of {job.gen}, emitted at step "
+                          f"{job.step}, age {now - job.step} steps); its last report was "
+                          + (f"at step {last}" if last is not None else "never")
+                          + " — it stopped reporting"))
+        if unreleased:
+            job_id, job = unreleased[0]
+            found.append(("S18", f"{len(unreleased)} job(s) reported by every rank but never "
+                          f"released for more than {bound} steps (oldest: job {job_id} of "
+                          f"{job.gen}, emitted at step {job.step}, age {now - job.step} steps)"))
+        if old_pins:
+            since, block = old_pins[0]
+            found.append(("S6", f"{len(old_pins)} block(s) pinned for more than {bound} steps "
+                          f"at the end of the trace (oldest: block {block}, pinned since step "
+                          f"{since}, age {now - since} steps)"))
+        notes = []
+        if at_end == "open":
+            notes += [f"at the end (open, not judged): {message}" for _, message in found]
+        else:
+            for invariant, message in found:
+                self.fail(invariant, message)
+        if young or young_pins:
+            notes.append(f"in flight at the end (younger than {bound} steps, not judged): "
+                         f"{young} job(s), {young_pins} pinned block(s)")
+        return notes

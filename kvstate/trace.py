@@ -20,8 +20,12 @@ registry.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import json
+import math
+import os
+import stat
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -30,6 +34,7 @@ from typing import IO, Any
 
 import attrs
 
+from kvstate import blockhash as _blockhash
 from kvstate import config as _config
 from kvstate import events as _events
 from kvstate import observations as _observations
@@ -38,6 +43,18 @@ from kvstate import tables as _tables
 
 TRACE_VERSION = 1
 MAX_LINE_BYTES = 64 << 20  # a line longer than this is refused, not read into memory
+
+# What a header may ask for. Monitors and replay allocate per engine, rank and
+# group, so these are checked before anything is built: a hostile header costs
+# no more than its own length.
+LIMITS = {
+    "engines": 64,  # configs in one trace
+    "world_size": 1024,
+    "groups": 64,  # KV-cache groups per engine
+    "block_size": 1 << 20,  # tokens; also hash_block_size, alignment and sliding windows
+    "ranks_x_groups": 1 << 16,  # world_size * groups, summed over the engines
+    "rank_ids": 1 << 20,  # pcp_rank, dcp_rank, pp_rank (they only name key namespaces)
+}
 
 
 class TraceError(ValueError):
@@ -307,12 +324,30 @@ def decode_record(cls: type, data: dict[str, Any], where: str, path: str = "",
         raise TraceError(where, path, f"invalid {cls.__name__}: {exc}") from None
 
 
-def decode_line(text: str, where: str) -> tuple[int, int, float, Any]:
-    """(index, engine, time, observation) of one trace line."""
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def parse_json(text: str, where: str) -> Any:
+    """``json.loads`` whose every failure is a ``TraceError``: invalid JSON,
+    ``NaN``/``Infinity``, an integer too long to convert (Python refuses more
+    than 4,300 digits), nesting too deep to parse."""
     try:
-        data = json.loads(text)
+        return _JSON.decode(text)
     except json.JSONDecodeError as exc:
         raise TraceError(where, "", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:
+        raise TraceError(where, "", f"invalid JSON ({exc})") from None
+    except RecursionError:
+        raise TraceError(where, "", "invalid JSON (nested too deeply)") from None
+
+
+def decode_line(text: str, where: str) -> tuple[int, int, float, Any]:
+    """(index, engine, time, observation) of one trace line."""
+    data = parse_json(text, where)
     if not isinstance(data, dict):
         raise TraceError(where, "", f"expected a JSON object, got {type(data).__name__}")
     kind = data.get("type")
@@ -326,29 +361,90 @@ def decode_line(text: str, where: str) -> tuple[int, int, float, Any]:
         if name not in data:
             raise TraceError(where, name, "missing")
         meta[name] = decode_value(data[name], ann, where, name)
-    obs = decode_record(cls, data, where, skip=("i", "e", "t", "type"))
+    if not math.isfinite(meta["t"]):
+        raise TraceError(where, "t", f"time must be finite, got {meta['t']!r}")
+    try:
+        obs = decode_record(cls, data, where, skip=("i", "e", "t", "type"))
+    except RecursionError:
+        raise TraceError(where, "", "nested too deeply") from None
     return meta["i"], meta["e"], meta["t"], obs
 
 
 def read_header(text: str, where: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceError(where, "", f"invalid JSON header ({exc.msg})") from None
+    """The header as a dict: ``configs`` decoded and within ``LIMITS``,
+    ``block_hash`` set (default ``kvstate``), ``none_hash`` checked hex.
+    Other keys (``protocol``, ``options``, ``seed``...) are kept as written;
+    ``protocol``, where present, must be a string."""
+    data = parse_json(text, where)
     if not isinstance(data, dict) or "kvstate_trace" not in data:
         raise TraceError(where, "kvstate_trace", "missing: not a kvstate trace header")
     version = data["kvstate_trace"]
-    if version != TRACE_VERSION:
+    if type(version) is not int or version != TRACE_VERSION:
         raise TraceError(where, "kvstate_trace",
                          f"unsupported trace version {version!r} (this kvstate reads {TRACE_VERSION})")
     configs = data.get("configs")
     if not isinstance(configs, list) or not configs:
         raise TraceError(where, "configs", "missing or empty")
-    data["configs"] = [
-        decode_value(c, _config.ConnectorConfig, where, f"configs[{i}]")
-        for i, c in enumerate(configs)
-    ]
+    if len(configs) > LIMITS["engines"]:
+        raise TraceError(where, "configs", f"{len(configs)} engines; at most "
+                         f"{LIMITS['engines']} are supported")
+    decoded = []
+    for i, raw in enumerate(configs):
+        if isinstance(raw, dict) and isinstance(raw.get("groups"), list) and \
+                len(raw["groups"]) > LIMITS["groups"]:
+            raise TraceError(where, f"configs[{i}].groups", f"{len(raw['groups'])} groups; at "
+                             f"most {LIMITS['groups']} are supported")
+        config = decode_value(raw, _config.ConnectorConfig, where, f"configs[{i}]")
+        _check_limits(config, where, f"configs[{i}]")
+        decoded.append(config)
+    total = sum(c.world_size * len(c.groups) for c in decoded)
+    if total > LIMITS["ranks_x_groups"]:
+        raise TraceError(where, "configs", f"world sizes times groups add up to {total}; at "
+                         f"most {LIMITS['ranks_x_groups']} are supported")
+    data["configs"] = decoded
+    protocol = data.get("protocol")
+    if protocol is not None and type(protocol) is not str:
+        raise TraceError(where, "protocol", f"expected a string, got {protocol!r}")
+    name = data.setdefault("block_hash", _blockhash.KVSTATE)
+    if name not in _blockhash.NAMES:
+        raise TraceError(where, "block_hash", f"{name!r} is not one of "
+                         f"{', '.join(_blockhash.NAMES)}")
+    steps = data.get("liveness_steps")
+    if steps is not None and not (type(steps) is int and 1 <= steps <= 1 << 62):
+        raise TraceError(where, "liveness_steps", f"expected an integer >= 1, got {steps!r}")
+    none_hash = data.get("none_hash")
+    if none_hash is not None:
+        if not (type(none_hash) is str and 0 < len(none_hash) <= 128):
+            raise TraceError(where, "none_hash", f"expected a hex string, got {none_hash!r}")
+        try:
+            bytes.fromhex(none_hash)
+        except ValueError:
+            raise TraceError(where, "none_hash",
+                             f"expected a hex string, got {none_hash!r}") from None
     return data
+
+
+def header_none_hash(header: dict[str, Any]) -> bytes | None:
+    text = header.get("none_hash")
+    return bytes.fromhex(text) if text else None
+
+
+def _check_limits(config: Any, where: str, path: str) -> None:
+    checks = [("world_size", config.world_size, LIMITS["world_size"])]
+    for name in ("block_size", "hash_block_size", "alignment"):
+        checks.append((name, getattr(config, name), LIMITS["block_size"]))
+    for name in ("pcp_rank", "dcp_rank", "pp_rank"):
+        checks.append((name, getattr(config, name), LIMITS["rank_ids"]))
+    for i, group in enumerate(config.groups):
+        checks.append((f"groups[{i}].sliding_window", group.sliding_window,
+                       LIMITS["block_size"] * 64))
+    for name, value, limit in checks:
+        if value is not None and value > limit:
+            raise TraceError(where, f"{path}.{name}", f"{value} is beyond the supported "
+                             f"maximum {limit}")
+    if not math.isfinite(config.pressure_backoff):
+        raise TraceError(where, f"{path}.pressure_backoff",
+                         f"must be finite, got {config.pressure_backoff}")
 
 
 def iter_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
@@ -372,23 +468,202 @@ def iter_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
             yield number, text
 
 
+def open_trace_file(path: str | Path) -> IO[bytes]:
+    """Open a trace for reading; only a regular file is taken (a FIFO would
+    block until some writer appears, a device never ends)."""
+    name = str(path)
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise TraceError(name, "", f"cannot open ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(info.st_mode) else
+                "a FIFO" if stat.S_ISFIFO(info.st_mode) else "not a regular file")
+        raise TraceError(name, "", f"{kind}: kvstate reads traces from regular files "
+                         "(save a stream to a file first)")
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - the caller closes it
+    except OSError as exc:
+        raise TraceError(name, "", f"cannot open ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):  # replaced since the stat
+        handle.close()
+        raise TraceError(name, "", "not a regular file")
+    return handle
+
+
+class _JobIds:
+    """The job ids an engine's plans emitted, as sorted disjoint ranges
+    (ids mostly run consecutively, so this is a range or a few). Bounded: past
+    ``MAX`` ranges the oldest two merge, so an old gap may read as known —
+    never the other way round."""
+
+    MAX = 4096
+    __slots__ = ("lo", "hi")
+
+    def __init__(self) -> None:
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+
+    def add(self, job_id: int) -> None:
+        lo, hi = self.lo, self.hi
+        if hi and lo[-1] <= job_id <= hi[-1] + 1:
+            hi[-1] = max(hi[-1], job_id)
+            return
+        if not hi or job_id > hi[-1]:
+            lo.append(job_id)
+            hi.append(job_id)
+        else:
+            i = bisect.bisect_right(lo, job_id) - 1
+            if i >= 0 and job_id <= hi[i] + 1:
+                hi[i] = max(hi[i], job_id)
+            else:
+                lo.insert(i + 1, job_id)
+                hi.insert(i + 1, job_id)
+                i += 1
+            if i + 1 < len(lo) and hi[i] + 1 >= lo[i + 1]:  # close a gap
+                hi[i] = max(hi[i], hi[i + 1])
+                del lo[i + 1], hi[i + 1]
+        if len(lo) > self.MAX:
+            hi[0] = hi[1]
+            del lo[1], hi[1]
+
+    def __contains__(self, job_id: int) -> bool:
+        lo, hi = self.lo, self.hi
+        if hi and lo[-1] <= job_id <= hi[-1]:
+            return True
+        i = bisect.bisect_right(lo, job_id) - 1
+        return i >= 0 and job_id <= hi[i]
+
+
+class _Validator:
+    """Order, identity and range checks of a trace against itself and its
+    header, before any monitor or model sees an observation: indexes strictly
+    increase, time never runs backwards, plan steps never do per engine, every
+    rank is below its engine's world size and every group index below its
+    group count, every job a rank works on was emitted by an earlier plan of
+    the same engine, every chunk id is >= 0 and every event names a hash.
+    A failure is a ``TraceError`` (exit 2): the trace contradicts itself, so
+    no verdict about the protocol can be drawn from it."""
+
+    def __init__(self, configs: list[Any]) -> None:
+        self.configs = configs
+        self.index = -1
+        self.time = -math.inf
+        self.steps = [-(1 << 63)] * len(configs)
+        self.jobs = [_JobIds() for _ in configs]
+        self.checks: dict[type, Callable[[str, int, Any], None]] = {
+            _observations.JobStarted: self._ranked_job,
+            _observations.StateWritten: self._ranked_job,
+            _observations.ExistsAnswered: self._ranked_job,
+            _observations.StoreCallRaised: self._ranked_job,
+            _observations.PutDone: self._put,
+            _observations.JobFinished: self._finished,
+            _observations.LoadDone: self._ranked,
+            _observations.ReportDelivered: self._report,
+            _observations.Planned: self._planned,
+            _observations.Settled: self._settled,
+        }
+
+    def line(self, where: str, index: int, engine: int, when: float, obs: Any) -> None:
+        if index <= self.index:
+            raise TraceError(where, "i", f"index {index} after index {self.index}: indexes "
+                             "must strictly increase")
+        self.index = index
+        if when < self.time:
+            raise TraceError(where, "t", f"time {when} after time {self.time}: time must "
+                             "not run backwards")
+        self.time = when
+        check = self.checks.get(type(obs))
+        if check is not None:
+            check(where, engine, obs)
+
+    def _rank(self, where: str, engine: int, rank: int, field: str = "rank") -> None:
+        size = self.configs[engine].world_size
+        if not 0 <= rank < size:
+            raise TraceError(where, field, f"rank {rank} outside engine {engine}'s world "
+                             f"size {size}")
+
+    def _group(self, where: str, engine: int, group: int, field: str) -> None:
+        count = len(self.configs[engine].groups)
+        if not 0 <= group < count:
+            raise TraceError(where, field, f"group {group} but engine {engine} has {count} "
+                             "KV-cache group(s)")
+
+    def _job(self, where: str, engine: int, job_id: int, field: str = "job_id") -> None:
+        if job_id not in self.jobs[engine]:
+            raise TraceError(where, field, f"job {job_id} was never emitted by an earlier "
+                             f"plan of engine {engine}")
+
+    def _events(self, where: str, engine: int, events: Any, field: str) -> None:
+        for i, event in enumerate(events):
+            if not event.block_hashes:
+                raise TraceError(where, f"{field}[{i}].block_hashes",
+                                 "empty: an event names at least one block hash")
+            self._group(where, engine, event.group_idx, f"{field}[{i}].group_idx")
+
+    def _ranked(self, where: str, engine: int, obs: Any) -> None:
+        self._rank(where, engine, obs.rank)
+
+    def _ranked_job(self, where: str, engine: int, obs: Any) -> None:
+        self._rank(where, engine, obs.rank)
+        self._job(where, engine, obs.job_id)
+
+    def _put(self, where: str, engine: int, obs: Any) -> None:
+        self._ranked_job(where, engine, obs)
+        self._group(where, engine, obs.group, "group")
+        if obs.chunk_id < 0:
+            raise TraceError(where, "chunk_id", f"chunk id {obs.chunk_id} < 0")
+
+    def _finished(self, where: str, engine: int, obs: Any) -> None:
+        self._ranked_job(where, engine, obs)
+        for field in ("stored", "failed"):
+            for i, (group, cid) in enumerate(getattr(obs, field)):
+                self._group(where, engine, group, f"{field}[{i}][0]")
+                if cid < 0:
+                    raise TraceError(where, f"{field}[{i}][1]", f"chunk id {cid} < 0")
+        self._events(where, engine, obs.events, "events")
+
+    def _report(self, where: str, engine: int, obs: Any) -> None:
+        report = obs.report
+        self._rank(where, engine, report.rank, "report.rank")
+        self._job(where, engine, report.job_id, "report.job_id")
+        self._events(where, engine, report.events, "report.events")
+
+    def _planned(self, where: str, engine: int, obs: Any) -> None:
+        plan = obs.plan
+        if plan.step < self.steps[engine]:
+            raise TraceError(where, "plan.step", f"step {plan.step} after step "
+                             f"{self.steps[engine]} of engine {engine}: steps must not run "
+                             "backwards")
+        self.steps[engine] = plan.step
+        jobs = self.jobs[engine]
+        for i, meta in enumerate(plan.saves):
+            if meta.job_id < 0:
+                raise TraceError(where, f"plan.saves[{i}].job_id", f"job id {meta.job_id} < 0")
+            jobs.add(meta.job_id)
+
+    def _settled(self, where: str, engine: int, obs: Any) -> None:
+        settlement = obs.settlement
+        for i, job_id in enumerate(settlement.released_jobs):
+            self._job(where, engine, job_id, f"settlement.released_jobs[{i}]")
+        self._events(where, engine, settlement.published, "settlement.published")
+
+
 class TraceReader:
     """Open a trace for streaming: ``header`` is read and checked at once;
-    iterate for ``(line number, engine, time, observation)``. A context manager."""
+    iterate for ``(line number, engine, time, observation)``, each line
+    checked for order, identity and range first (``_Validator``). A context
+    manager."""
 
     def __init__(self, path: str | Path) -> None:
         self.name = str(path)
-        try:
-            self._handle: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed in close()
-        except OSError as exc:
-            raise TraceError(self.name, "", f"cannot open ({exc.strerror})") from None
+        self._handle: IO[bytes] = open_trace_file(path)
         self._lines = iter_lines(self._handle, self.name)
-        first = next(self._lines, None)
-        if first is None:
-            self.close()
-            raise TraceError(f"{self.name}:1", "", "empty trace (no header)")
-        self.last_line = first[0]
         try:
+            first = next(self._lines, None)
+            if first is None:
+                raise TraceError(f"{self.name}:1", "", "empty trace (no header)")
+            self.last_line = first[0]
             self.header = read_header(first[1], f"{self.name}:{first[0]}")
         except TraceError:
             self.close()
@@ -396,12 +671,15 @@ class TraceReader:
         self.engines = len(self.header["configs"])
 
     def __iter__(self) -> Iterator[tuple[int, int, float, Any]]:
+        validator = _Validator(self.header["configs"])
         for number, text in self._lines:
             self.last_line = number
-            _, engine, when, obs = decode_line(text, f"{self.name}:{number}")
+            where = f"{self.name}:{number}"
+            index, engine, when, obs = decode_line(text, where)
             if not 0 <= engine < self.engines:
-                raise TraceError(f"{self.name}:{number}", "e",
+                raise TraceError(where, "e",
                                  f"engine {engine} but the header configures {self.engines}")
+            validator.line(where, index, engine, when, obs)
             yield number, engine, when, obs
 
     def close(self) -> None:
@@ -484,7 +762,21 @@ def trace_schema() -> dict[str, Any]:
         lines.append(schema)
     header = {"type": "object", "properties": {
         "kvstate_trace": {"const": TRACE_VERSION},
-        "configs": {"type": "array", "items": {"$ref": "#/$defs/ConnectorConfig"}, "minItems": 1},
+        "configs": {"type": "array", "items": {"$ref": "#/$defs/ConnectorConfig"}, "minItems": 1,
+                    "maxItems": LIMITS["engines"],
+                    "description": "one ConnectorConfig per engine; observation field 'e' "
+                    "indexes it. Limits: " + ", ".join(f"{k} <= {v}" for k, v in LIMITS.items())},
+        "protocol": {"type": "string", "description": "the kvstate protocol variant that "
+                     "produced the trace (replay needs one; an engine's recorder may omit it)"},
+        "block_hash": {"enum": list(_blockhash.NAMES), "default": _blockhash.KVSTATE,
+                       "description": "the engine's block-hash function, which S17 "
+                       "recomputes (see kvstate.blockhash); 'opaque': not recomputable"},
+        "none_hash": {"type": "string", "pattern": "^[0-9a-fA-F]+$", "maxLength": 128,
+                      "description": "vLLM's NONE_HASH (parent of a request's first block) "
+                      "as hex; without it the default seed 'vllm-none-hash' is tried"},
+        "liveness_steps": {"type": "integer", "minimum": 1, "description": "steps after "
+                           "which a job or pin still held where the trace ends is stuck "
+                           "(kvstate check --liveness-steps overrides it)"},
     }, "required": ["kvstate_trace", "configs"]}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",

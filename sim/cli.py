@@ -506,7 +506,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from sim.check import check_trace
 
     started = time.perf_counter()
-    result = check_trace(args.trace)
+    result = check_trace(args.trace, liveness_steps=args.liveness_steps, at_end=args.at_end)
     seconds = time.perf_counter() - started
     rate = result.lines / seconds if seconds > 0 else 0.0
     violations = [{"invariant": f.invariant, "event_index": f.event_index, "line": line,
@@ -514,7 +514,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": result.ok, "violations": violations, "lines": result.lines,
                           "observations": result.observations, "seconds": round(seconds, 3),
-                          "lines_per_second": round(rate)}, sort_keys=True))
+                          "lines_per_second": round(rate), "notes": result.notes},
+                         sort_keys=True))
     else:
         print(f"{args.trace}: {result.observations} observations from {result.engines} "
               f"engine(s) checked against {len(INVARIANTS)} invariants in {seconds:.2f} s "
@@ -523,6 +524,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"  line {v['line']}: {v['invariant']} {v['message']}")
         if len(violations) > 20:
             print(f"  ... {len(violations) - 20} more")
+        for note in result.notes:
+            print(f"  note: {note}")
         print(f"result: {'ok' if result.ok else 'VIOLATION'}")
     return 0 if result.ok else 1
 
@@ -550,25 +553,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_minimize(args: argparse.Namespace) -> int:
-    from kvstate.trace import iter_lines, read_header
-    from sim.minimize import NothingToMinimize, minimize
-    from sim.runner import SimOptions, simulate
+    from sim.minimize import NothingToMinimize, minimize, options_from_trace
+    from sim.runner import simulate
 
     if args.from_trace:
-        with open(args.from_trace, "rb") as handle:
-            first = next(iter_lines(handle, args.from_trace), None)
-        if first is None:
-            raise UsageError(f"{args.from_trace}: empty trace")
-        header = read_header(first[1], f"{args.from_trace}:1")
-        raw = header.get("options")
-        if not isinstance(raw, dict):
-            raise UsageError(f"{args.from_trace}: no simulator options in the header; "
-                             "minimize works on simulator traces")
-        try:
-            options = SimOptions(**{k: tuple(v) if isinstance(v, list) else v
-                                    for k, v in raw.items()})
-        except TypeError as exc:
-            raise UsageError(f"{args.from_trace}:1: field 'options': {exc}") from None
+        options = options_from_trace(args.from_trace)
     else:
         options = options_from(args)
     progress = None if args.json else (lambda m: print(m, file=sys.stderr))
@@ -787,6 +776,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="run the invariant monitors over a trace")
     check.add_argument("trace")
+    check.add_argument("--liveness-steps", type=_positive_int, default=None,
+                       help="where the trace ends, jobs and pins older than this many "
+                       "steps are stuck (default: the header's liveness_steps, else 64)")
+    check.add_argument("--at-end", choices=("closed", "open"), default="closed",
+                       help="closed: the run ended with the trace (judge liveness); open: "
+                       "the trace was cut mid-run (list what was left, judge nothing)")
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check)
 

@@ -14,11 +14,93 @@ check`` take, with the command that reproduces it.
 
 from __future__ import annotations
 
+import math
+import os
+import stat
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import attrs
 
-from sim.runner import SimOptions, SimResult, simulate
+from kvstate.trace import TraceError, TraceReader
+from kvstate.variants import VARIANTS
+from sim.faults import SITES
+from sim.runner import SimOptions, SimResult, build_configs, simulate
+
+# What a trace header's simulator options may ask for: minimize re-runs them
+# up to --max-runs times, so a hostile header must not buy unbounded work.
+OPTION_LIMITS: dict[str, float] = {
+    "seed": 1 << 63, "requests": 100_000, "rate": 1e9, "scale": 512, "world_size": 64,
+    "put_step": 64, "block_size": 4096, "num_blocks": 1 << 20, "store_capacity": 1 << 24,
+    "token_budget": 1 << 20, "settle_time": 1e6,
+}
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {
+    "protocol": tuple(VARIANTS), "setup": ("both", "pd"), "workload": ("synthetic", "fast25"),
+}
+
+
+def options_from_trace(path: str | Path) -> SimOptions:
+    """The simulator options a trace's header records, each checked for type,
+    range and known names (fault sites, protocols) before anything runs; a bad
+    one is a ``TraceError`` naming ``file:1``, the field and the value."""
+    with TraceReader(path) as reader:
+        header = reader.header
+    where = f"{reader.name}:1"
+    raw = header.get("options")
+    if not isinstance(raw, dict):
+        raise TraceError(where, "options", "missing: no simulator options in the header; "
+                         "minimize works on simulator traces")
+    defaults = SimOptions()
+    fields = {f.name for f in attrs.fields(SimOptions)}
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        field = f"options.{name}"
+        if name not in fields:
+            raise TraceError(where, field, "not a simulator option")
+        default = getattr(defaults, name)
+        if isinstance(default, bool):
+            if type(value) is not bool:
+                raise TraceError(where, field, f"expected true/false, got {value!r}")
+        elif isinstance(default, int):
+            if type(value) is not int or not (0 if name == "seed" else 1) <= value \
+                    <= OPTION_LIMITS[name]:
+                raise TraceError(where, field, f"expected an integer in "
+                                 f"[{0 if name == 'seed' else 1}, {OPTION_LIMITS[name]:.0f}], "
+                                 f"got {value!r}")
+        elif isinstance(default, float):
+            if type(value) not in (int, float) or not (math.isfinite(value) and 0 < value
+                                                       <= OPTION_LIMITS[name]):
+                raise TraceError(where, field, f"expected a number in (0, "
+                                 f"{OPTION_LIMITS[name]:g}], got {value!r}")
+            value = float(value)
+        elif isinstance(default, tuple):  # faults
+            if type(value) is not list or not all(type(v) is str for v in value):
+                raise TraceError(where, field, f"expected a list of fault sites, got {value!r}")
+            unknown = [v for v in value if v not in SITES]
+            if unknown:
+                raise TraceError(where, field, f"unknown fault site {unknown[0]!r} (known: "
+                                 f"{', '.join(SITES)})")
+            value = tuple(value)
+        elif type(value) is not str:
+            raise TraceError(where, field, f"expected a string, got {value!r}")
+        elif name in OPTION_CHOICES and value not in OPTION_CHOICES[name]:
+            raise TraceError(where, field, f"{value!r} is not one of "
+                             f"{', '.join(OPTION_CHOICES[name])}")
+        elif name == "fast25_path" and value:
+            try:
+                regular = stat.S_ISREG(os.stat(value).st_mode)
+            except OSError as exc:
+                raise TraceError(where, field, f"{value!r}: {exc.strerror}") from None
+            if not regular:
+                raise TraceError(where, field, f"{value!r} is not a regular file")
+        values[name] = value
+    options = SimOptions(**values)
+    try:
+        build_configs(options)
+    except ValueError as exc:
+        raise TraceError(where, "options", str(exc)) from None
+    return options
 
 
 @attrs.define

@@ -37,8 +37,8 @@ from kvstate.observations import (
 )
 from kvstate.planner import Planner
 from kvstate.records import ExistsCall, GetCall, LoadReport, PutCall, Report, SchedulerStep
-from kvstate.trace import TraceReader
-from kvstate.variants import get_variant
+from kvstate.trace import TraceError, TraceReader
+from kvstate.variants import VARIANTS, get_variant
 
 _PRODUCED = (JobStarted, StateWritten, JobFinished)
 
@@ -131,6 +131,10 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
     with TraceReader(path) as reader:
         name = reader.name
         chosen = protocol or reader.header.get("protocol") or "kvstate"
+        if chosen not in VARIANTS:
+            raise TraceError(f"{name}:1", "protocol", f"{chosen!r} is not a kvstate protocol "
+                             f"variant (known: {', '.join(VARIANTS)}); replay needs one: "
+                             "pass --protocol")
         engines = [_EngineReplay(config, chosen) for config in reader.header["configs"]]
         compared = 0
         for number, index, when, obs in reader:
@@ -146,6 +150,10 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
                 return ReplayResult(name, chosen, number, compared, Divergence(
                     number, index, type(obs).__name__, _short(obs),
                     f"the model could not take this input: {exc}"))
+            except Exception as exc:  # never a traceback for a line the reader took
+                raise TraceError(f"{name}:{number}", "",
+                                 f"the model could not take this {type(obs).__name__} "
+                                 f"({type(exc).__name__}: {exc})") from None
         for index, engine in enumerate(engines):
             if engine.produced:
                 return ReplayResult(name, chosen, reader.last_line, compared, Divergence(

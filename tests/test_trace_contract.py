@@ -1,0 +1,662 @@
+"""The trace contract, judged on traces written by hand (never by the simulator).
+
+Each fixture is what an engine's recorder could write: a header naming the
+configs (and the block-hash function), then observations. The tests break one
+thing at a time and require the checker to say so: order, identity and range
+(exit 2 with file:line:field), the header's block-hash function (S17 recomputed
+with it, or reported not checkable), malformed input of every class the probe
+found (exit 2, never a traceback, in every command that reads traces), bounded
+work from any header, and liveness where a trace simply ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstate import blockhash
+from kvstate.keys import block_hash as kvstate_hash
+from sim.cli import main
+
+BS = 4
+TOKENS = list(range(100, 108))  # two chunks of BS tokens
+MODEL = "test-model"
+
+
+def h(value: bytes) -> dict[str, str]:
+    return {"@hex": value.hex()}
+
+
+def vllm_chain(tokens: list[int], none_hash: bytes, cbor: bool = False) -> list[bytes]:
+    fn = blockhash.vllm_sha256_cbor if cbor else blockhash.vllm_sha256
+    out: list[bytes] = []
+    for i in range(0, len(tokens), BS):
+        out.append(fn((out[-1] if out else none_hash, tuple(tokens[i:i + BS]), None)))
+    return out
+
+
+def kvstate_chain(tokens: list[int]) -> list[bytes]:
+    out: list[bytes] = []
+    for i in range(0, len(tokens), BS):
+        out.append(kvstate_hash(out[-1] if out else None, tokens[i:i + BS]))
+    return out
+
+
+def key(rank: int, digest: bytes) -> str:
+    return f"{MODEL}@tp_rank:{rank}@pcp0@dcp0@pp_rank:0@group:0@{digest.hex()}"
+
+
+def event(hashes: list[bytes], cid: int, tokens: list[int]) -> dict[str, Any]:
+    return {"@": "BlockStored", "block_hashes": [h(hashes[cid])],
+            "parent_block_hash": h(hashes[cid - 1]) if cid else None,
+            "token_ids": tokens[cid * BS:(cid + 1) * BS], "block_size": BS}
+
+
+def fixture(world: int = 2, events: bool = True, hashes: list[bytes] | None = None,
+            tokens: list[int] = TOKENS, finish: bool = True, reporting: int | None = None,
+            idle_steps: int = 0, **header: Any) -> list[dict[str, Any]]:
+    """One request, one save job of two chunks on every rank, each rank's
+    store calls and report, the settlement, then the request finishing.
+    ``reporting``: only ranks below it report (the rest fell silent) and
+    nothing is released; ``idle_steps``: empty scheduler steps at the end."""
+    hashes = hashes if hashes is not None else kvstate_chain(tokens)
+    chunks = len(tokens) // BS
+    blocks = list(range(1, chunks + 1))
+    head = {"kvstate_trace": 1, "protocol": "kvstate", "configs": [{
+        "@": "ConnectorConfig", "block_size": BS, "world_size": world,
+        "enable_kv_events": events}], **header}
+    obs: list[dict[str, Any]] = []
+
+    def add(kind: str, **fields: Any) -> None:
+        obs.append({"type": kind, **fields})
+
+    for b in blocks:
+        add("BlockAllocated", block_id=b, req_id="a")
+    add("Allocated", req_id="a", block_ids=[blocks], num_computed_tokens=0,
+        num_external_tokens=0, load_async=False)
+    add("StepScheduled", step={"@": "SchedulerStep", "new": [{
+        "@": "NewRequest", "req_id": "a", "prompt_token_ids": tokens, "num_computed_tokens": 0,
+        "num_scheduled_tokens": len(tokens), "block_ids": [blocks],
+        "block_hashes": [h(x) for x in hashes]}]})
+    add("Planned", plan={"@": "Plan", "step": 1, "saves": [{
+        "@": "SaveMeta", "req_id": "a", "generation": 1, "job_id": 1, "token_ids_start": 0,
+        "token_len": len(tokens), "num_prompt_tokens": len(tokens), "is_decode": False,
+        "block_ids_start": 0, "block_ids": [blocks], "hashes_start": 0,
+        "block_hashes": [h(x) for x in hashes], "token_ids": tokens}],
+        "pins": blocks, "started": [{"@": "GenerationStart", "req_id": "a", "generation": 1,
+                                     "reason": "new", "num_prompt_tokens": len(tokens)}]})
+    for b, digest in zip(blocks, hashes):
+        add("BlockWritten", block_id=b, content=digest.hex())
+    evs = [event(hashes, c, tokens) for c in range(chunks)] if events else []
+    for rank in range(world):
+        keys = [key(rank, d) for d in hashes]
+        add("JobStarted", rank=rank, job_id=1, req_id="a", generation=1, live=True,
+            save_start=0, token_len=len(tokens), state_generation=1, retry_generation=None)
+        add("ExistsAnswered", rank=rank, job_id=1, keys=keys, present=[False] * chunks)
+        for c in range(chunks):
+            add("PutDone", rank=rank, job_id=1, req_id="a", generation=1, key=keys[c],
+                group=0, chunk_id=c, block_id=blocks[c],
+                content=f"{hashes[c].hex()}|ns{rank}|g0", code=0, accepted=True)
+        add("StateWritten", rank=rank, job_id=1, req_id="a", generation=1, field="offset",
+            value=len(tokens), scope_generation=1)
+        add("JobFinished", rank=rank, job_id=1, req_id="a", generation=1, outcome="stored",
+            save_start=0, token_len=len(tokens), stored=[[0, c] for c in range(chunks)],
+            failed=[], events=copy.deepcopy(evs))
+    silent = reporting is not None
+    for rank in range(world if reporting is None else reporting):
+        add("ReportDelivered", report={
+            "@": "Report", "job_id": 1, "rank": rank, "req_id": "a", "generation": 1,
+            "outcome": {"@enum": "JobState", "value": "stored"}, "confirmed_offset": len(tokens),
+            "events": []})
+    if not silent:
+        add("Settled", settlement={"@": "Settlement", "releases": blocks[::-1],
+                                   "released_jobs": [1], "published": copy.deepcopy(evs),
+                                   "published_by": [["a", 1]] * len(evs)})
+    step = 1
+    if finish:
+        step += 1
+        add("StepScheduled", step={"@": "SchedulerStep", "finished": ["a"]})
+        add("Planned", plan={"@": "Plan", "step": step, "finished": [["a", 1]],
+                             "ended": [{"@": "GenerationEnd", "req_id": "a", "generation": 1,
+                                        "reason": "finished"}]})
+        if not silent:
+            for b in blocks[::-1]:
+                add("BlockFreed", block_id=b)
+    for _ in range(idle_steps):
+        step += 1
+        add("StepScheduled", step={"@": "SchedulerStep"})
+        add("Planned", plan={"@": "Plan", "step": step})
+    lines: list[dict[str, Any]] = [head]
+    for i, o in enumerate(obs):
+        lines.append({"i": i, "e": 0, "t": float(i // 10), **o})
+    return lines
+
+
+def write(path: Path, lines: list[Any]) -> Path:
+    with open(path, "w") as out:
+        for line in lines:
+            out.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+    return path
+
+
+def run(capsys, *argv: str) -> tuple[int, Any, str]:
+    code = main([*argv, "--json"])
+    captured = capsys.readouterr()
+    try:
+        out = json.loads(captured.out)
+    except json.JSONDecodeError:
+        out = captured.out
+    return code, out, captured.err
+
+
+def line_of(lines: list[dict[str, Any]], kind: str, nth: int = 0, **match: Any) -> int:
+    """Index into ``lines`` (file line = index + 1) of the nth ``kind`` line."""
+    found = [i for i, line in enumerate(lines) if line.get("type") == kind
+             and all(line.get(k) == v for k, v in match.items())]
+    return found[nth]
+
+
+def test_the_hand_written_fixture_checks_clean(tmp_path: Path, capsys) -> None:
+    for world in (1, 2):
+        path = write(tmp_path / f"w{world}.jsonl", fixture(world=world))
+        code, out, _ = run(capsys, "check", str(path))
+        assert code == 0, out
+        assert out["notes"] == []
+
+
+# --------------------------------------------------------------------------
+# Item 3: order, identity, range.
+
+
+def _error(capsys, argv: list[str], where: str, field: str) -> str:
+    code, _, err = run(capsys, *argv)
+    assert code == 2, err
+    assert f"{where}: field {field!r}" in err, err
+    return err
+
+
+@pytest.mark.parametrize("mutate, field, words", [
+    (lambda ls, n: ls[n].update(i=ls[n - 1]["i"]), "i", "strictly increase"),
+    (lambda ls, n: ls[n].update(i=ls[n - 1]["i"] - 1), "i", "strictly increase"),
+    (lambda ls, n: ls[n].update(t=ls[n - 1]["t"] - 0.5), "t", "run backwards"),
+])
+def test_indexes_strictly_increase_and_time_never_runs_backwards(
+        tmp_path: Path, capsys, mutate: Callable[..., None], field: str, words: str) -> None:
+    lines = fixture()
+    n = line_of(lines, "PutDone")
+    lines[n - 1]["t"] = lines[n]["t"] = 3.0
+    mutate(lines, n)
+    path = write(tmp_path / "t.jsonl", lines)
+    assert words in _error(capsys, ["check", str(path)], f"{path}:{n + 1}", field)
+
+
+def test_plan_steps_never_run_backwards(tmp_path: Path, capsys) -> None:
+    lines = fixture(idle_steps=2)
+    n = line_of(lines, "Planned", 2)
+    lines[n]["plan"]["step"] = 1
+    path = write(tmp_path / "t.jsonl", lines)
+    assert "steps must not run backwards" in _error(
+        capsys, ["check", str(path)], f"{path}:{n + 1}", "plan.step")
+
+
+@pytest.mark.parametrize("kind, field, value", [
+    ("PutDone", "rank", 2), ("PutDone", "rank", -1), ("PutDone", "rank", 10 ** 30),
+    ("JobStarted", "rank", 5), ("JobFinished", "rank", -3), ("ExistsAnswered", "rank", 2),
+    ("StateWritten", "rank", 2), ("ReportDelivered", "report.rank", 2),
+    ("ReportDelivered", "report.rank", -1), ("PutDone", "group", 1), ("PutDone", "chunk_id", -2),
+])
+def test_ranks_groups_and_chunks_within_the_header(tmp_path: Path, capsys, kind: str,
+                                                    field: str, value: int) -> None:
+    lines = fixture()
+    n = line_of(lines, kind)
+    target = lines[n]
+    *parents, last = field.split(".")
+    for p in parents:
+        target = target[p]
+    target[last] = value
+    path = write(tmp_path / "t.jsonl", lines)
+    err = _error(capsys, ["check", str(path)], f"{path}:{n + 1}", field)
+    assert str(value) in err
+
+
+@pytest.mark.parametrize("kind, field", [
+    ("JobStarted", "job_id"), ("PutDone", "job_id"), ("ExistsAnswered", "job_id"),
+    ("JobFinished", "job_id"), ("ReportDelivered", "report.job_id"),
+    ("Settled", "settlement.released_jobs[0]"),
+])
+def test_jobs_are_known_before_use(tmp_path: Path, capsys, kind: str, field: str) -> None:
+    lines = fixture()
+    n = line_of(lines, kind)
+    if kind == "ReportDelivered":
+        lines[n]["report"]["job_id"] = 7
+    elif kind == "Settled":
+        lines[n]["settlement"]["released_jobs"] = [7]
+    else:
+        lines[n]["job_id"] = 7
+    path = write(tmp_path / "t.jsonl", lines)
+    assert "never emitted" in _error(capsys, ["check", str(path)], f"{path}:{n + 1}", field)
+
+
+def test_a_rank_outside_the_world_is_refused_by_replay_too(tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    n = line_of(lines, "JobStarted")
+    lines[n]["rank"] = -1  # today: executors[-1], the last rank, silently
+    path = write(tmp_path / "t.jsonl", lines)
+    _error(capsys, ["replay", str(path)], f"{path}:{n + 1}", "rank")
+
+
+# --------------------------------------------------------------------------
+# Item 5: the header names the block-hash function.
+
+
+CUSTOM_NONE = hashlib.sha256(b"engine ran with PYTHONHASHSEED=7").digest()
+DEFAULT_NONE = blockhash.vllm_sha256(blockhash.VLLM_DEFAULT_NONE_HASH_SEED)
+
+
+def test_vllm_sha256_hashes_check_with_the_named_function(tmp_path: Path, capsys) -> None:
+    hashes = vllm_chain(TOKENS, CUSTOM_NONE)
+    named = fixture(hashes=hashes, block_hash="vllm-sha256", none_hash=CUSTOM_NONE.hex())
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "v.jsonl", named)))
+    assert code == 0 and out["notes"] == [], out
+    # The same trace read as kvstate's hash is what the checker did before the
+    # header could name the function: a false S17.
+    unnamed = fixture(hashes=hashes)
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "k.jsonl", unnamed)))
+    assert code == 1 and {v["invariant"] for v in out["violations"]} == {"S17"}
+
+
+def test_s17_still_fires_under_vllm_sha256(tmp_path: Path, capsys) -> None:
+    hashes = vllm_chain(TOKENS, CUSTOM_NONE)
+    lines = fixture(hashes=hashes, block_hash="vllm-sha256", none_hash=CUSTOM_NONE.hex())
+    n = line_of(lines, "JobFinished")
+    lines[n]["events"][1]["token_ids"] = [0, 0, 0, 0]  # not the chunk's tokens
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "v.jsonl", lines)))
+    assert code == 1 and [v["invariant"] for v in out["violations"]] == ["S17"]
+    assert out["violations"][0]["line"] == n + 1
+
+
+def test_vllm_default_none_hash_is_tried_and_an_unknown_one_is_not_a_violation(
+        tmp_path: Path, capsys) -> None:
+    default = fixture(hashes=vllm_chain(TOKENS, DEFAULT_NONE), block_hash="vllm-sha256")
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "d.jsonl", default)))
+    assert code == 0 and out["notes"] == []
+    custom = fixture(hashes=vllm_chain(TOKENS, CUSTOM_NONE), block_hash="vllm-sha256")
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "c.jsonl", custom)))
+    assert code == 0, out
+    assert any(n.startswith("S17 not checked") and "none_hash" in n for n in out["notes"])
+
+
+def test_opaque_hashes_are_reported_not_checkable(tmp_path: Path, capsys) -> None:
+    hashes = [hashlib.sha256(bytes([i])).digest() for i in range(2)]
+    lines = fixture(hashes=hashes, block_hash="opaque")
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "o.jsonl", lines)))
+    assert code == 0, out
+    assert any("S17 not checked" in n and "opaque" in n for n in out["notes"])
+    # The length of the token ids does not depend on the hash: still judged.
+    lines[line_of(lines, "JobFinished")]["events"][0]["token_ids"] = [1, 2]
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "o2.jsonl", lines)))
+    assert code == 1 and out["violations"][0]["invariant"] == "S17"
+
+
+def test_sha256_cbor_is_recomputed_where_cbor2_imports(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("cbor2")
+    hashes = vllm_chain(TOKENS, CUSTOM_NONE, cbor=True)
+    lines = fixture(hashes=hashes, block_hash="vllm-sha256_cbor", none_hash=CUSTOM_NONE.hex())
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "c.jsonl", lines)))
+    assert code == 0 and out["notes"] == [], out
+    lines[line_of(lines, "JobFinished")]["events"][0]["token_ids"] = [9, 9, 9, 9]
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "c2.jsonl", lines)))
+    assert code == 1 and out["violations"][0]["invariant"] == "S17"
+
+
+def test_without_cbor2_sha256_cbor_is_not_checkable(monkeypatch) -> None:
+    monkeypatch.setattr(blockhash, "_cbor_dumps", lambda: None)
+    hasher = blockhash.BlockHasher(blockhash.VLLM_SHA256_CBOR)
+    assert not hasher.checkable and "cbor2" in hasher.reason
+
+
+def test_the_vllm_functions_match_vllms_own() -> None:
+    """Same bytes as the installed vLLM's ``vllm/utils/hashing.py`` (loaded
+    by path: importing the vllm package would pull in torch)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vllm is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "utils" / "hashing.py"
+    module_spec = importlib.util.spec_from_file_location("_vllm_hashing", path)
+    assert module_spec is not None and module_spec.loader is not None
+    vllm_hashing = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(vllm_hashing)
+    except ImportError as exc:
+        pytest.skip(f"vllm's hashing module does not load here: {exc}")
+    value = (CUSTOM_NONE, tuple(TOKENS[:BS]) + (70000, 2 ** 40), None)
+    assert blockhash.vllm_sha256(value) == vllm_hashing.sha256(value)
+    assert blockhash.vllm_sha256_cbor(value) == vllm_hashing.sha256_cbor(value)
+    seed = blockhash.VLLM_DEFAULT_NONE_HASH_SEED
+    assert blockhash.vllm_sha256(seed) == vllm_hashing.sha256(seed)
+    assert hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest() == \
+        blockhash.vllm_sha256(value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_hash", "md5"), ("block_hash", ["kvstate"]), ("none_hash", "zz"),
+    ("none_hash", 12), ("liveness_steps", 0), ("liveness_steps", "many"),
+])
+def test_bad_hash_fields_in_the_header_exit_2(tmp_path: Path, capsys, field: str,
+                                              value: Any) -> None:
+    lines = fixture(**{field: value})
+    path = write(tmp_path / "t.jsonl", lines)
+    _error(capsys, ["check", str(path)], f"{path}:1", field)
+
+
+def test_k1_skips_a_put_whose_content_was_not_observed(tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    for n, line in enumerate(lines):
+        if line.get("type") == "PutDone":
+            lines[n]["content"] = ""
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "t.jsonl", lines)))
+    assert code == 0, out
+    assert any(n.startswith("K1 not checked for 4 observations") for n in out["notes"])
+    lines[line_of(lines, "PutDone")]["content"] = "somebody else's bytes"
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "t2.jsonl", lines)))
+    assert code == 1 and [v["invariant"] for v in out["violations"]] == ["K1"]
+
+
+# --------------------------------------------------------------------------
+# Item 6: malformed input exits 2 with file:line:field, never a traceback.
+
+TRACE_COMMANDS = (("check",), ("replay",), ("coverage",), ("diagram", "job", "--coverage"))
+
+
+def _corrupt_line(kind: str) -> Callable[[list[Any]], tuple[int, str]]:
+    """Corruptions of the first observation line (line 2), so every command
+    reaches it before anything else could diverge."""
+    def apply(lines: list[Any]) -> tuple[int, str]:
+        if kind == "nested":
+            lines[1] = '{"i": ' + "[" * 100_000 + "]" * 100_000 + "}"
+            return 2, ""
+        if kind == "digits":
+            lines[1] = json.dumps(lines[1]).replace('"i": 0', '"i": ' + "7" * 5000)
+            return 2, ""
+        if kind == "nan":
+            lines[1] = json.dumps(lines[1]).replace('"t": 0.0', '"t": NaN')
+            return 2, ""
+        if kind == "infinite":
+            lines[1] = json.dumps(lines[1]).replace('"t": 0.0', '"t": 1e999')
+            return 2, "t"
+        raise AssertionError(kind)
+    return apply
+
+
+@pytest.mark.parametrize("command", TRACE_COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize("kind", ["nested", "digits", "nan", "infinite"])
+def test_malformed_lines_exit_2_in_every_command(tmp_path: Path, capsys, command, kind) -> None:
+    lines: list[Any] = fixture()
+    number, field = _corrupt_line(kind)(lines)
+    path = write(tmp_path / "bad.jsonl", lines)
+    code, _, err = run(capsys, *command, str(path))
+    assert code == 2, err
+    assert f"{path}:{number}:" in err and "Traceback" not in err
+    if field:
+        assert f"field {field!r}" in err
+
+
+@pytest.mark.parametrize("command", TRACE_COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize("protocol", [["kvstate"], "no-such-protocol", 7])
+def test_header_protocol_of_the_wrong_type_or_unknown(tmp_path: Path, capsys, command,
+                                                      protocol) -> None:
+    path = write(tmp_path / "t.jsonl", fixture(protocol=protocol))
+    code, out, err = run(capsys, *command, str(path))
+    if command == ("check",) and isinstance(protocol, str):
+        assert code == 0, out  # check needs no protocol: an engine's name for itself is fine
+        return
+    assert code == 2, (out, err)
+    assert f"{path}:1: field 'protocol'" in err
+
+
+def test_an_event_with_no_hash_exits_2(tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    n = line_of(lines, "JobFinished")
+    lines[n]["events"][0]["block_hashes"] = []
+    path = write(tmp_path / "t.jsonl", lines)
+    _error(capsys, ["check", str(path)], f"{path}:{n + 1}", "events[0].block_hashes")
+    lines = fixture()
+    n = line_of(lines, "Settled")
+    lines[n]["settlement"]["published"][0]["block_hashes"] = []
+    path = write(tmp_path / "s.jsonl", lines)
+    _error(capsys, ["check", str(path)], f"{path}:{n + 1}",
+           "settlement.published[0].block_hashes")
+
+
+@pytest.mark.parametrize("foreign", ["just-a-key", "mooncake/other/0123abcd",
+                                     "m@tp_rank:x@group:0@ab", "m@tp_rank:1@group:²@ab", ""])
+def test_a_key_in_another_tools_format_is_judged_not_crashed(tmp_path: Path, capsys,
+                                                              foreign: str) -> None:
+    lines = fixture()
+    for kind in ("PutDone", "ExistsAnswered"):
+        n = line_of(lines, kind)
+        if kind == "PutDone":
+            lines[n]["key"] = foreign
+        else:
+            lines[n]["keys"][0] = foreign
+    lines.insert(2, {"i": -1, "e": 0, "t": 0.0, "type": "KeyEvicted", "key": foreign})
+    lines.insert(3, {"i": -0, "e": 0, "t": 0.0, "type": "LookupDone", "req_id": "z",
+                     "generation": 1, "num_prompt_tokens": 8, "block_hashes": [],
+                     "keys": [foreign], "present": [True], "hit_tokens": 4})
+    for i, line in enumerate(lines[1:]):
+        line["i"] = i
+    code, out, err = run(capsys, "check", str(write(tmp_path / "t.jsonl", lines)))
+    assert code == 1, (out, err)  # S8: the key is not the one the chunk must have
+    assert "S8" in {v["invariant"] for v in out["violations"]}
+    assert any("K1 not checked" in n and "key format" in n for n in out["notes"])
+
+
+def _sim_header(**options: Any) -> list[Any]:
+    lines: list[Any] = fixture()
+    lines[0]["options"] = {"requests": 2, "faults": [], "world_size": 1, **options}
+    return lines
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"requests": "two"}, "options.requests"), ({"requests": 10 ** 12}, "options.requests"),
+    ({"faults": ["no-such-site"]}, "options.faults"), ({"faults": "put_fail"}, "options.faults"),
+    ({"rate": -1}, "options.rate"), ({"rate": "fast"}, "options.rate"),
+    ({"events": 1}, "options.events"), ({"protocol": ["e2"]}, "options.protocol"),
+    ({"protocol": "e9"}, "options.protocol"), ({"setup": "tri"}, "options.setup"),
+    ({"colour": "blue"}, "options.colour"), ({"world_size": 3, "put_step": 2}, "options"),
+    ({"fast25_path": "/nonexistent/trace.jsonl"}, "options.fast25_path"),
+    ({"world_size": 10 ** 6}, "options.world_size"),
+])
+def test_minimize_refuses_bad_header_options(tmp_path: Path, capsys, options, field) -> None:
+    path = write(tmp_path / "t.jsonl", _sim_header(**options))
+    code, _, err = run(capsys, "minimize", str(path), "--out", str(tmp_path / "min.jsonl"))
+    assert code == 2, err
+    assert f"{path}:1: field {field!r}" in err
+
+
+def test_minimize_without_options_or_on_a_fifo_exits_2(tmp_path: Path, capsys) -> None:
+    path = write(tmp_path / "t.jsonl", fixture())
+    code, _, err = run(capsys, "minimize", str(path), "--out", str(tmp_path / "m.jsonl"))
+    assert code == 2 and "field 'options'" in err
+
+
+# --------------------------------------------------------------------------
+# Item 6: a Hypothesis test over schema-valid and corrupted traces.
+
+
+def _json_values() -> st.SearchStrategy[Any]:
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3),
+                        st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
+                        st.floats(allow_nan=False, allow_infinity=False),
+                        st.text(max_size=8), st.sampled_from(["@", "a@tp_rank:1@group:0@ff"]))
+    return st.recursive(scalars, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        st.fixed_dictionaries({"@hex": st.text("0123456789abcdefg", max_size=6)}),
+        st.fixed_dictionaries({"@": st.sampled_from(["BlockStored", "Report", "Nope"])})),
+        max_leaves=6)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> list[Any]:
+    lines: list[Any] = fixture(world=draw(st.sampled_from([1, 2])),
+                               events=draw(st.booleans()),
+                               reporting=draw(st.sampled_from([None, 0, 1])),
+                               idle_steps=draw(st.integers(0, 3)))
+    for _ in range(draw(st.integers(0, 3))):
+        n = draw(st.integers(0, len(lines) - 1))
+        op = draw(st.sampled_from(["set", "delete", "swap", "duplicate", "text", "header"]))
+        if op in ("set", "delete") and isinstance(lines[n], (dict, list)):
+            paths = [p for p in _paths(lines[n]) if p]
+            if not paths:
+                continue
+            where = draw(st.sampled_from(paths))
+            parent = lines[n]
+            for part in where[:-1]:
+                parent = parent[part]
+            if op == "set":
+                parent[where[-1]] = draw(st.one_of(_json_values(), st.integers(-2, 5)))
+            elif isinstance(parent, dict):
+                del parent[where[-1]]
+            else:
+                parent.pop(where[-1])
+        elif op == "swap" and n + 1 < len(lines):
+            lines[n], lines[n + 1] = lines[n + 1], lines[n]
+        elif op == "duplicate":
+            lines.insert(n, copy.deepcopy(lines[n]))
+        elif op == "text":
+            lines[n] = draw(st.sampled_from(["", "{", "[]", "null", '{"type": "PutDone"}',
+                                             '{"i": ' + "[" * 5000 + "]" * 5000 + "}"]))
+        elif op == "header" and isinstance(lines[0], dict):
+            lines[0][draw(st.sampled_from(["protocol", "block_hash", "none_hash",
+                                           "liveness_steps", "configs"]))] = draw(_json_values())
+    return lines
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(lines=traces())
+def test_any_trace_exits_0_1_or_2_and_never_a_traceback(tmp_path: Path, capsys,
+                                                        lines: list[Any]) -> None:
+    path = write(tmp_path / "fuzzed.jsonl", lines)
+    for command in TRACE_COMMANDS:
+        code = main([*command, str(path), "--json"])
+        err = capsys.readouterr().err
+        assert code in (0, 1, 2)
+        if code == 2:
+            assert str(path) in err
+
+
+# --------------------------------------------------------------------------
+# Item 7: bounded work from any header; no reads that block.
+
+
+@pytest.mark.parametrize("field, value", [
+    ("world_size", 10 ** 30), ("world_size", 5000), ("block_size", 10 ** 9),
+    ("alignment", 2 ** 40), ("pp_rank", 10 ** 12),
+])
+def test_absurd_header_sizes_are_refused_before_allocating(tmp_path: Path, capsys, field,
+                                                           value) -> None:
+    for command in (["check"], ["replay"]):
+        lines = fixture()
+        lines[0]["configs"][0][field] = value
+        path = write(tmp_path / "t.jsonl", lines)
+        err = _error(capsys, [*command, str(path)], f"{path}:1", f"configs[0].{field}")
+        assert "maximum" in err
+
+
+def test_too_many_groups_or_engines_are_refused(tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    lines[0]["configs"][0]["groups"] = [{"@": "GroupSpec"}] * 65
+    path = write(tmp_path / "g.jsonl", lines)
+    _error(capsys, ["check", str(path)], f"{path}:1", "configs[0].groups")
+    lines = fixture()
+    lines[0]["configs"] = lines[0]["configs"] * 65
+    path = write(tmp_path / "e.jsonl", lines)
+    _error(capsys, ["check", str(path)], f"{path}:1", "configs")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("command", [*TRACE_COMMANDS, ("minimize",)], ids=lambda c: c[0])
+def test_a_fifo_is_refused_instead_of_blocking(tmp_path: Path, capsys, command) -> None:
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(main([*command, str(fifo)])),
+                              daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # unblock the reader so the test process can end
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        pytest.fail(f"kvstate {command[0]} blocked on a FIFO")
+    assert result == [2]
+    assert "FIFO" in capsys.readouterr().err
+
+
+def test_a_directory_is_refused(tmp_path: Path, capsys) -> None:
+    code, _, err = run(capsys, "check", str(tmp_path))
+    assert code == 2 and "a directory" in err
+
+
+# --------------------------------------------------------------------------
+# Item 4: liveness where a trace simply ends (no Quiescent line).
+
+
+def test_a_rank_that_stopped_reporting_is_named_with_the_age(tmp_path: Path, capsys) -> None:
+    path = write(tmp_path / "t.jsonl", fixture(reporting=1, idle_steps=70))
+    code, out, _ = run(capsys, "check", str(path))
+    assert code == 1, out
+    by = {v["invariant"]: v["message"] for v in out["violations"]}
+    assert set(by) == {"S4", "S6"}
+    assert "rank 1 has not reported 1 job" in by["S4"] and "stopped reporting" in by["S4"]
+    assert "age 71 steps" in by["S4"] and "last report was never" in by["S4"]
+    assert "2 block(s) pinned" in by["S6"]
+    # Younger than the bound: in flight, a note, not a finding.
+    code, out, _ = run(capsys, "check", str(path), "--liveness-steps", "100")
+    assert code == 0 and any("in flight at the end" in n for n in out["notes"]), out
+    # The header may set the bound.
+    path = write(tmp_path / "h.jsonl", fixture(reporting=1, idle_steps=70, liveness_steps=500))
+    assert run(capsys, "check", str(path))[0] == 0
+
+
+def test_a_trace_cut_mid_run_is_listed_not_judged(tmp_path: Path, capsys) -> None:
+    path = write(tmp_path / "t.jsonl", fixture(reporting=1, idle_steps=70))
+    code, out, _ = run(capsys, "check", str(path), "--at-end", "open")
+    assert code == 0, out
+    assert any(n.startswith("at the end (open, not judged)") and "rank 1" in n
+               for n in out["notes"])
+
+
+def test_a_job_every_rank_reported_but_nobody_released(tmp_path: Path, capsys) -> None:
+    lines = fixture(idle_steps=70)
+    lines.pop(line_of(lines, "Settled"))
+    for b in range(2):
+        lines.pop(line_of(lines, "BlockFreed"))
+    for i, line in enumerate(lines[1:]):
+        line["i"] = i
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "t.jsonl", lines)))
+    assert code == 1
+    assert {v["invariant"] for v in out["violations"]} == {"S18", "S6"}
