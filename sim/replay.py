@@ -37,6 +37,7 @@ from kvstate.observations import (
 )
 from kvstate.planner import Planner
 from kvstate.records import ExistsCall, GetCall, LoadReport, PutCall, Report, SchedulerStep
+from kvstate.tables import IllegalTransition
 from kvstate.trace import TraceError, TraceReader
 from kvstate.variants import VARIANTS, get_variant
 
@@ -146,7 +147,7 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
                 where, a, b = first_difference(mm.expected, mm.got)
                 return ReplayResult(name, chosen, number, compared, Divergence(
                     number, index, mm.kind, _short(a), _short(b), where))
-            except (ValueError, KeyError, IndexError) as exc:
+            except (ValueError, KeyError, IndexError, IllegalTransition) as exc:
                 return ReplayResult(name, chosen, number, compared, Divergence(
                     number, index, type(obs).__name__, _short(obs),
                     f"the model could not take this input: {exc}"))

@@ -71,6 +71,7 @@ def fixture(world: int = 2, events: bool = True, hashes: list[bytes] | None = No
     store calls and report, the settlement, then the request finishing.
     ``reporting``: only ranks below it report (the rest fell silent) and
     nothing is released; ``idle_steps``: empty scheduler steps at the end."""
+    tokens = list(tokens)
     hashes = hashes if hashes is not None else kvstate_chain(tokens)
     chunks = len(tokens) // BS
     blocks = list(range(1, chunks + 1))
@@ -141,7 +142,7 @@ def fixture(world: int = 2, events: bool = True, hashes: list[bytes] | None = No
     lines: list[dict[str, Any]] = [head]
     for i, o in enumerate(obs):
         lines.append({"i": i, "e": 0, "t": float(i // 10), **o})
-    return lines
+    return copy.deepcopy(lines)  # no list shared between lines (tests mutate them)
 
 
 def write(path: Path, lines: list[Any]) -> Path:
@@ -519,6 +520,56 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
+def _valid_for(annotation: Any) -> st.SearchStrategy[Any]:
+    """JSON values that decode as ``annotation``: schema-valid, semantically
+    anything (small ints, so ranks, jobs and chunks often look plausible)."""
+    import enum
+    import types
+    import typing
+
+    import attrs
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of([_valid_for(a) for a in args])
+    if annotation is type(None):
+        return st.none()
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return st.lists(_valid_for(args[0]), max_size=3)
+        return st.tuples(*[_valid_for(a) for a in args]).map(list)
+    if annotation is bytes:
+        return st.binary(max_size=16).map(h)
+    if annotation is bool:
+        return st.booleans()
+    if annotation is int:
+        return st.one_of(st.integers(-1, 4), st.integers(-(2 ** 64), 2 ** 64))
+    if annotation is float:
+        return st.floats(0, 100)
+    if annotation is str:
+        return st.one_of(st.sampled_from(["a", "stored", "offset", "",
+                                          key(0, bytes(16)), "a@tp_rank:9@group:7@zz"]),
+                         st.text(max_size=6))
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return st.sampled_from([{"@enum": annotation.__name__, "value": m.value}
+                                for m in annotation])
+    if isinstance(annotation, type) and attrs.has(annotation):
+        fields = {f.name: _valid_for(f.type) for f in attrs.fields(annotation)}
+        return st.fixed_dictionaries(fields).map(lambda d: {"@": annotation.__name__, **d})
+    return st.none()
+
+
+def _valid_observation() -> st.SearchStrategy[dict[str, Any]]:
+    import attrs
+
+    from kvstate.trace import OBSERVATIONS
+
+    def of(name: str, cls: type) -> st.SearchStrategy[dict[str, Any]]:
+        fields = {f.name: _valid_for(f.type) for f in attrs.fields(cls)}
+        return st.fixed_dictionaries(fields).map(lambda d: {"type": name, **d})
+    return st.one_of([of(name, cls) for name, cls in sorted(OBSERVATIONS.items())])
+
+
 @st.composite
 def traces(draw: st.DrawFn) -> list[Any]:
     lines: list[Any] = fixture(world=draw(st.sampled_from([1, 2])),
@@ -527,7 +578,8 @@ def traces(draw: st.DrawFn) -> list[Any]:
                                idle_steps=draw(st.integers(0, 3)))
     for _ in range(draw(st.integers(0, 3))):
         n = draw(st.integers(0, len(lines) - 1))
-        op = draw(st.sampled_from(["set", "delete", "swap", "duplicate", "text", "header"]))
+        op = draw(st.sampled_from(["set", "delete", "swap", "duplicate", "text", "header",
+                                   "valid", "valid"]))
         if op in ("set", "delete") and isinstance(lines[n], (dict, list)):
             paths = [p for p in _paths(lines[n]) if p]
             if not paths:
@@ -549,13 +601,20 @@ def traces(draw: st.DrawFn) -> list[Any]:
         elif op == "text":
             lines[n] = draw(st.sampled_from(["", "{", "[]", "null", '{"type": "PutDone"}',
                                              '{"i": ' + "[" * 5000 + "]" * 5000 + "}"]))
+        elif op == "valid" and n > 0:  # a schema-valid observation, in order
+            lines.insert(n, {"i": 0, "e": 0, "t": 0.0, **draw(_valid_observation())})
+            t = 0.0
+            for i, line in enumerate(lines[1:]):
+                if isinstance(line, dict):
+                    line["i"] = i
+                    t = line["t"] = max(t, line["t"]) if isinstance(line.get("t"), float) else t
         elif op == "header" and isinstance(lines[0], dict):
             lines[0][draw(st.sampled_from(["protocol", "block_hash", "none_hash",
                                            "liveness_steps", "configs"]))] = draw(_json_values())
     return lines
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(lines=traces())
 def test_any_trace_exits_0_1_or_2_and_never_a_traceback(tmp_path: Path, capsys,
@@ -653,7 +712,7 @@ def test_a_trace_cut_mid_run_is_listed_not_judged(tmp_path: Path, capsys) -> Non
 def test_a_job_every_rank_reported_but_nobody_released(tmp_path: Path, capsys) -> None:
     lines = fixture(idle_steps=70)
     lines.pop(line_of(lines, "Settled"))
-    for b in range(2):
+    for _ in range(2):
         lines.pop(line_of(lines, "BlockFreed"))
     for i, line in enumerate(lines[1:]):
         line["i"] = i
