@@ -16,6 +16,14 @@ the record's annotations, so a malformed line is refused with the line number,
 the field path and the value (``TraceError``), never with a traceback from deep
 inside a monitor. ``specs/trace.schema.json`` is generated from the same
 registry.
+
+Header fields besides ``configs`` (each optional): ``protocol`` (a string; the
+kvstate variant replay re-drives), ``block_hash`` (the engine's block-hash
+function, `kvstate.blockhash`; default ``kvstate``), ``none_hash`` (vLLM's
+``NONE_HASH`` as hex), ``liveness_steps`` (the age bound for liveness where the
+trace ends). Sizes are checked against ``LIMITS`` before anything is built.
+Every line is then checked for order, identity and range (``_Validator``)
+before a monitor or the model sees it.
 """
 
 from __future__ import annotations
