@@ -48,7 +48,7 @@ def check_trace(path: str | Path, stop_at_first: bool = False,
         shared: set[str] = set()
         none_hash = header_none_hash(header)
         monitors = [Monitor(config, store_view=shared, block_hash=header["block_hash"],
-                            none_hash=none_hash)
+                            none_hash=none_hash, shared_store=header.get("store") == "shared")
                     for config in header["configs"]]
         seen = [0] * len(monitors)
         findings: list[tuple[int, int, Finding]] = []

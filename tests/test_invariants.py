@@ -10,6 +10,7 @@ import pytest
 
 from kvstate.config import ConnectorConfig
 from kvstate.invariants import CATALOGUE, INVARIANTS, Monitor
+from kvstate.keys import key_prefix
 from kvstate.observations import Planned, StepScheduled
 from kvstate.planner import Planner
 from kvstate.records import (
@@ -115,3 +116,33 @@ def test_findings_name_invariant_event_and_message() -> None:
     finding = next(f for f in harness.monitor.findings if f.invariant == "S1")
     assert finding.event_index >= 0
     assert re.search(r"job \d+ read block \d+", finding.message)
+
+
+def _lookup(keys: tuple[str, ...], present: tuple[bool, ...], hit: int):
+    from kvstate.observations import LookupDone
+
+    return LookupDone("b", 1, 40, (b"\x01" * 16, b"\x02" * 16), keys, present, hit)
+
+
+def test_s20_a_hit_the_stores_answers_do_not_support_fires_in_any_store() -> None:
+    config = ConnectorConfig(block_size=16)
+    keys = (f"{key_prefix(config, 0, 0)}@{'01' * 16}", f"{key_prefix(config, 0, 0)}@{'02' * 16}")
+    for shared in (False, True):
+        monitor = Monitor(config, shared_store=shared)
+        monitor.observe(_lookup(keys, (True, False), 32))  # two chunks counted, one present
+        assert monitor.fired() == {"S20"}, shared
+
+
+def test_s20_a_key_another_engine_stored_is_a_note_in_a_shared_store() -> None:
+    """A production engine's trace sees only its own puts: a hit on a key the
+    store answered present but no engine of the trace stored is not judged
+    (header "store": "shared"); in an exclusive store it is a violation."""
+    config = ConnectorConfig(block_size=16)
+    keys = (f"{key_prefix(config, 0, 0)}@{'01' * 16}",)
+    exclusive = Monitor(config)
+    exclusive.observe(_lookup(keys, (True,), 16))
+    assert exclusive.fired() == {"S20"}
+    shared = Monitor(config, shared_store=True)
+    shared.observe(_lookup(keys, (True,), 16))
+    assert shared.fired() == set()
+    assert any("S20" in note for note in shared.notes())
