@@ -340,3 +340,30 @@ def test_bad_extra_config_is_refused_with_the_field(model_dir, store_config) -> 
         Rig(make_vllm_config(model_dir, extra={"kvstate_protocol": "e9"}), 16)
     with pytest.raises(ValueError, match="unknown kvstate field"):
         Rig(make_vllm_config(model_dir, extra={"kvstate_montior": "raise"}), 16)
+
+
+@pytest.mark.parametrize("writer", ["upstream", "kvstate"])
+def test_interop_with_upstreams_mooncake_store_connector(writer) -> None:
+    """One master, two connectors (`adapters.vllm.interop`): the other one
+    finds all four shared blocks and loads exactly the writer's bytes. Same
+    keys (the engine's sha256 block hashes in upstream's key format) and the
+    same value layout (every layer's block, in layer order). Run in a
+    subprocess: upstream's worker threads would keep this one alive. A fresh
+    master each time: a finished process's segment lingers at the master for
+    its client TTL, and puts placed there vanish with it."""
+    import subprocess
+    import sys
+
+    master = Master()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "adapters.vllm.interop", "--master", master.address,
+             "--writer", writer], capture_output=True, text=True, timeout=300)
+    finally:
+        master.stop()
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(lines[-1])
+    assert result["hit_tokens"] == 64, result
+    assert result["blocks_with_writer_bytes"] == 4, result
+    assert result["load_errors"] == [], result

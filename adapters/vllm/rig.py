@@ -189,6 +189,7 @@ class Rig:
         self.events: list[Any] = []
         self.stats: list[dict[str, Any]] = []
         self.invalid_block_ids: set[int] = set()
+        self._finished_counts: dict[str, dict[str, int]] = {"sending": {}, "recving": {}}
 
     def _keep(self, events: Any) -> list[Any]:
         events = list(events)
@@ -265,15 +266,17 @@ class Rig:
                 worker.start_load_kv(None)
             worker.wait_for_save()
             out = KVConnectorOutput()
-            done_sending, done_recving = worker.get_finished(so.finished_req_ids)
-            out.finished_sending, out.finished_recving = done_sending, done_recving
+            results = worker.get_transfer_results(so.finished_req_ids)
+            out.finished_sending = results.finished_sending
+            out.finished_recving = results.finished_recving
+            out.failed_recving = results.failed_recving
             out.invalid_block_ids = worker.get_block_ids_with_load_errors()
             out.kv_connector_stats = worker.get_kv_connector_stats()
             out.kv_cache_events = worker.get_kv_connector_kv_cache_events()
             out.kv_connector_worker_meta = worker.build_connector_worker_meta()
             worker.clear_connector_metadata()
             outputs.append(out)
-        combined = _aggregate(outputs)
+        combined = self._aggregate(outputs)
         self.invalid_block_ids |= combined.invalid_block_ids
         ids = list(so.num_scheduled_tokens)
         sampled = []
@@ -324,6 +327,36 @@ class Rig:
         return bool(s.waiting or s.running or s.has_unfinished_requests()
                     or (s.connector is not None and s.connector.has_pending_push_work()))
 
+    def _aggregate(self, outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
+        """vLLM's ``KVOutputAggregator`` rules: a request's send or receive is
+        finished once every rank reported it (counted across steps); load
+        errors are united; worker metadata and stats are ``aggregate``d."""
+        combined = KVConnectorOutput()
+        meta = None
+        stats = None
+        done: dict[str, set[str]] = {"sending": set(), "recving": set()}
+        for out in outputs:
+            combined.invalid_block_ids |= out.invalid_block_ids
+            combined.failed_recving |= set(out.failed_recving or ())
+            for kind, ids in (("sending", out.finished_sending), ("recving", out.finished_recving)):
+                for req_id in ids or ():
+                    counts = self._finished_counts[kind]
+                    counts[req_id] = counts.get(req_id, 0) + 1
+                    if counts[req_id] == len(self.workers):
+                        del counts[req_id]
+                        done[kind].add(req_id)
+            if out.kv_connector_worker_meta is not None:
+                meta = out.kv_connector_worker_meta if meta is None else meta.aggregate(
+                    out.kv_connector_worker_meta)
+            if out.kv_connector_stats is not None:
+                stats = out.kv_connector_stats if stats is None else stats.aggregate(
+                    out.kv_connector_stats)
+        combined.finished_sending = done["sending"] or None
+        combined.finished_recving = done["recving"] or None
+        combined.kv_connector_worker_meta = meta
+        combined.kv_connector_stats = stats
+        return combined
+
     def totals(self) -> dict[str, int]:
         """Every counter of the scheduler and all ranks since the rig started."""
         out: dict[str, int] = {}
@@ -344,20 +377,3 @@ class Rig:
         if self.connector is not None:
             self.connector.shutdown()
 
-
-def _aggregate(outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
-    """vLLM's ``KVOutputAggregator`` rules for the fields this connector uses."""
-    combined = KVConnectorOutput()
-    meta = None
-    stats = None
-    for out in outputs:
-        combined.invalid_block_ids |= out.invalid_block_ids
-        if out.kv_connector_worker_meta is not None:
-            meta = out.kv_connector_worker_meta if meta is None else meta.aggregate(
-                out.kv_connector_worker_meta)
-        if out.kv_connector_stats is not None:
-            stats = out.kv_connector_stats if stats is None else stats.aggregate(
-                out.kv_connector_stats)
-    combined.kv_connector_worker_meta = meta
-    combined.kv_connector_stats = stats
-    return combined
