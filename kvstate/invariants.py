@@ -218,7 +218,8 @@ class _Gen:
 
 
 class _Job:
-    __slots__ = ("gen", "emitted_at", "step", "started_at", "token_len", "checked", "reports")
+    __slots__ = ("gen", "emitted_at", "step", "started_at", "token_len", "checked", "reports",
+                 "complete", "claimed")
 
     def __init__(self, gen: GenKey, emitted_at: int, step: int) -> None:
         self.gen = gen
@@ -228,6 +229,8 @@ class _Job:
         self.token_len = 0
         self.checked: dict[int, set[str]] = {}
         self.reports: set[int] = set()
+        self.complete = False  # every rank reported it (derived, never taken from a recorder)
+        self.claimed = False  # a settlement listed it as released before it was complete
 
 
 class Monitor:
@@ -248,7 +251,12 @@ class Monitor:
         # (invariant, why) -> how many times a check could not be made: shown
         # as notes, never as findings.
         self.unchecked: Counter[tuple[str, str]] = Counter()
+        # (invariant, what) -> how often a recorder's own verdict (a plan's or a
+        # settlement's violations, its released jobs, published_by) disagreed
+        # with what the monitor derived from the observations: notes.
+        self.disagreements: Counter[tuple[str, str]] = Counter()
         self.index = -1
+        self.absent: frozenset[str] = frozenset()
         self._handlers: dict[type, Any] = {}  # observation type -> bound checker (or None)
         self.gens: dict[GenKey, _Gen] = {}
         self.current: dict[str, int] = {}
@@ -257,6 +265,21 @@ class Monitor:
         self.step = 0  # the latest plan's step number
         self.quiescent = False  # the latest observation was a Quiescent line
         self.last_report: dict[int, int] = {}  # rank -> step of its latest report
+        # Derived from the scheduler's own output, never from the planner's
+        # verdicts: requests running now, the invariants the latest step broke
+        # (to compare with the plan's own list), whether that step was seen.
+        self.running: set[str] = set()
+        self._step_found: set[str] = set()
+        self._step_seen = False
+        # Jobs every rank has reported since the latest settlement (released
+        # by it, derived); whether this trace's settlements list their
+        # released jobs at all (an annotation a recorder may leave out).
+        self._completed: list[int] = []
+        self.releases_recorded = False
+        # (chunk digest, group) -> live generations whose ranks announced it.
+        self.announcers: dict[tuple[bytes, int], list[GenKey]] = {}
+        self._report_found: set[str] = set()  # S4 derived from this batch's reports
+        self._late: dict[int, None] = {}  # jobs released late (bounded), not flagged twice
         self.pinned: Counter[int] = Counter()
         self.pinned_since: dict[int, int] = {}  # block -> step it was first pinned
         self.free: set[int] = set()
@@ -295,15 +318,26 @@ class Monitor:
         if invariant in self.enabled:
             self.unchecked[(invariant, why)] += 1
 
-    def notes(self) -> list[str]:
-        """What the monitor could not judge, one line per invariant and reason."""
-        return [f"{inv} not checked for {count} observation{'s' if count > 1 else ''}: {why}"
-                for (inv, why), count in sorted(self.unchecked.items())]
+    def disagree(self, invariant: str, what: str) -> None:
+        """A recorder's own verdict that the observations do not bear out (a note)."""
+        self.disagreements[(invariant, what)] += 1
 
-    def observe(self, obs: Observation) -> None:
+    def notes(self) -> list[str]:
+        """What the monitor could not judge, one line per invariant and reason,
+        and where a recorder's own verdicts disagreed with the monitor's."""
+        return [f"{inv} not checked for {count} observation{'s' if count > 1 else ''}: {why}"
+                for (inv, why), count in sorted(self.unchecked.items())] + [
+                f"{inv}: {what} ({count} time{'s' if count > 1 else ''})"
+                for (inv, what), count in sorted(self.disagreements.items())]
+
+    def observe(self, obs: Observation, absent: frozenset[str] = frozenset()) -> None:
+        """Check one observation. ``absent``: the optional annotation fields
+        its trace line left out (`kvstate.trace.ANNOTATIONS`); a left-out
+        field is unknown, never read as its empty default."""
         self.index += 1
         kind = type(obs)
         self.quiescent = kind is Quiescent
+        self.absent = absent
         try:
             handler = self._handlers[kind]
         except KeyError:
@@ -318,11 +352,41 @@ class Monitor:
         step = obs.step
         nxt = self._computed_next
         nxt.clear()
+        found = self._step_found
+        found.clear()
+        self._step_seen = True
+        running = self.running
+        for req_id in step.finished:
+            running.discard(req_id)
+        if step.preempted:
+            scheduled = {r.req_id for r in step.new}
+            scheduled.update(r.req_id for r in step.cached)
+            scheduled.update(r.req_id for r in step.resumed)
+            for req_id in step.preempted:
+                if req_id in scheduled:
+                    found.add("S23")
+                    self.fail("S23", f"request {req_id!r} is scheduled in the step that "
+                              "preempts it")
+                elif req_id not in running:
+                    found.add("S23")
+                    self.fail("S23", f"preemption of request {req_id!r}, which is not running")
+                running.discard(req_id)
         for new in step.new:
+            if new.req_id in running:
+                found.add("K2")
+                self.fail("K2", f"request {new.req_id!r} scheduled as new while it is still "
+                          "running")
+            running.add(new.req_id)
             nxt[new.req_id] = new.num_computed_tokens + new.num_scheduled_tokens
+        for res in step.resumed:
+            running.add(res.req_id)
         for res in step.resumed:
             nxt[res.req_id] = res.num_computed_tokens + res.num_scheduled_tokens
         for cached in step.cached:
+            if cached.req_id not in running:
+                found.add("S23")
+                self.fail("S23", f"request {cached.req_id!r} scheduled as running but it is "
+                          "not running (finished, preempted or never scheduled)")
             nxt[cached.req_id] = cached.num_computed_tokens + len(cached.new_token_ids)
 
     def _gen(self, key: GenKey) -> _Gen:
@@ -335,22 +399,37 @@ class Monitor:
         plan: Plan = obs.plan
         config = self.config
         step = self.step = plan.step
-        for v in plan.violations:
-            self.fail(v.invariant, v.message)
+        self._compare_verdicts("plan", plan.violations, self._step_found,
+                               self._step_seen, "violations" in self.absent)
+        self._step_seen = False
+        self._step_found.clear()
+        self._release_completed()  # a trace with no Settled lines: released when reported
+        # Generations end by the plan's own output (``finished``/``preempted``,
+        # what the ranks act on); ``ended`` is kvstate's annotation of the same
+        # and may be left out.
         ended = []
+        for keys, reason in ((plan.finished, "finished"), (plan.preempted, "preempted")):
+            for req_id, gen_no in keys:
+                ended.append(((req_id, gen_no), reason))
         for end in plan.ended:
-            gen = self._gen((end.req_id, end.generation))
+            ended.append(((end.req_id, end.generation), end.reason))
+        for key, reason in ended:
+            gen = self._gen(key)
             gen.ended = True
-            ended.append((end.req_id, end.generation))
-            if end.reason == "preempted":
+            if reason == "preempted" and gen.preempted_at is None:
                 gen.preempted_at = self.index
         for start in plan.started:
             self.current[start.req_id] = start.generation
             self._gen((start.req_id, start.generation))
+        current = self.current
+        for meta in plan.saves:  # without ``started``: the newest generation saved
+            known = current.get(meta.req_id)
+            if known is None or meta.generation > known:
+                current[meta.req_id] = meta.generation
         for req_id, computed in self._computed_next.items():
-            gen_no = self.current.get(req_id)
-            if gen_no is not None:
-                self._gen((req_id, gen_no)).computed = computed
+            newest = current.get(req_id)
+            if newest is not None:
+                self._gen((req_id, newest)).computed = computed
         loading = {(load.req_id, load.generation) for load in plan.loads}
         for meta in plan.saves:
             key = (meta.req_id, meta.generation)
@@ -380,8 +459,39 @@ class Monitor:
                 since[block] = step
             pinned[block] += 1
         self._release(plan.releases)
-        for key in ended:
+        for key, _ in ended:
             self._maybe_forget(key)
+
+    # Invariants the monitor derives itself from what a plan's step and a
+    # settlement's reports show; a recorder listing one of these that the
+    # observations do not bear out is a note, not a finding.
+    _DERIVED = {"plan": frozenset({"S23", "K2"}), "settlement": frozenset({"S4"})}
+
+    def _compare_verdicts(self, where: str, listed: Sequence[Any], found: set[str],
+                          seen: bool, left_out: bool) -> None:
+        """Compare a recorder's own list of violations with what the monitor
+        derived from the observations (``found``). Never believed: a listed
+        violation the monitor could judge and did not find is a note; one it
+        cannot derive (the step was not observed, or an invariant it does not
+        derive at this line) stays a finding, marked as the recorder's own
+        verdict; one the monitor found and the list omits is a note (the
+        monitor's own finding stands)."""
+        derived = self._DERIVED[where] if seen else frozenset()
+        names = set()
+        for v in listed:
+            names.add(v.invariant)
+            if v.invariant in found:
+                continue
+            if v.invariant in derived:
+                self.disagree(v.invariant, f"the recorder's {where} lists a violation the "
+                              f"observations do not show ({v.message})")
+            else:
+                self.fail(v.invariant, f"the recorder's {where} reports: {v.message} "
+                          "(its own verdict; not derivable from the observations here)")
+        if not left_out:
+            for invariant in sorted(found - names):
+                self.disagree(invariant, f"the recorder's {where} does not list a violation "
+                              "the checker found")
 
     def _maybe_forget(self, key: GenKey) -> None:
         """A generation that ended with every job released can produce no more
@@ -391,6 +501,16 @@ class Monitor:
         if gen is None or not gen.ended or gen.outstanding > 0:
             return
         del self.gens[key]
+        announcers = self.announcers
+        for chunk in gen.announced:
+            holders = announcers.get(chunk)
+            if holders is not None:
+                try:
+                    holders.remove(key)
+                except ValueError:
+                    pass
+                if not holders:
+                    del announcers[chunk]
         req_id, generation = key
         for rank in range(self.config.world_size):
             self.frontier.pop((rank, key), None)
@@ -408,28 +528,96 @@ class Monitor:
 
     def _on_Settled(self, obs: Settled) -> None:
         settlement = obs.settlement
-        for v in settlement.violations:
-            self.fail(v.invariant, v.message)
+        absent = self.absent
+        self._compare_verdicts("settlement", settlement.violations, self._report_found,
+                               True, "violations" in absent)
+        self._report_found.clear()
         self._release(settlement.releases)
-        by = settlement.published_by
+        by = () if "published_by" in absent else settlement.published_by
         for i, event in enumerate(settlement.published):
             self._published(event, by[i] if i < len(by) else None)
+        if "released_jobs" in absent:
+            self._release_completed()
+            return
+        # The settlement's list of released jobs is the recorder's word:
+        # compared with the jobs every rank has reported, never believed.
+        self.releases_recorded = True
+        jobs = self.jobs
+        listed = set()
         for job_id in settlement.released_jobs:
-            job = self.jobs.pop(job_id, None)
+            listed.add(job_id)
+            job = jobs.get(job_id)
+            if job is None:
+                if job_id in self._late:
+                    del self._late[job_id]  # its omission was flagged already
+                else:
+                    self.fail("S4", f"settlement lists job {job_id} as released, but it is "
+                              "not outstanding (released before or never emitted)")
+            elif not job.complete:
+                if not job.claimed:
+                    job.claimed = True
+                    missing = sorted(set(range(self.config.world_size)) - job.reports)
+                    self.fail("S4", f"settlement releases job {job_id} before ranks {missing} "
+                              "reported it")
+            else:
+                self._drop(job_id, job)
+        for job_id in self._completed:
+            job = jobs.get(job_id)
+            if job is not None and job_id not in listed:
+                self.fail("S18", f"every rank reported job {job_id} of {job.gen}, but the "
+                          "settlement of those reports does not release it")
+                self._late[job_id] = None
+                if len(self._late) > EVICTED_MEMORY:
+                    del self._late[next(iter(self._late))]
+                self._drop(job_id, job)
+        self._completed.clear()
+
+    def _drop(self, job_id: int, job: _Job) -> None:
+        del self.jobs[job_id]
+        gen = self.gens.get(job.gen)
+        if gen is not None:
+            gen.outstanding -= 1
+            self._maybe_forget(job.gen)
+
+    def _release_completed(self) -> None:
+        """Release the jobs every rank has reported (derived; for traces whose
+        settlements do not list released jobs, or that have no settlements)."""
+        if self.releases_recorded or not self._completed:
+            return
+        jobs = self.jobs
+        for job_id in self._completed:
+            job = jobs.get(job_id)
             if job is not None:
-                gen = self.gens.get(job.gen)
-                if gen is not None:
-                    gen.outstanding -= 1
-                    self._maybe_forget(job.gen)
+                self.skip("S18", "no settlement lists the jobs it released (a job counts as "
+                          "released once every rank reported it)")
+                self._drop(job_id, job)
+        self._completed.clear()
 
     def _published(self, event: BlockStored, by: GenKey | None) -> None:
         digest = event.block_hashes[-1]
-        gen = self.gens.get(by) if by is not None else None
-        announced = gen.announced.get((digest, event.group_idx), set()) if gen else set()
-        missing = set(range(self.config.num_namespaces)) - announced
-        if missing:
-            self.fail("S16", f"event for {digest.hex()} published, but rank namespaces "
-                      f"{sorted(missing)} never reported storing it")
+        chunk = (digest, event.group_idx)
+        namespaces = self.config.num_namespaces
+        gens = self.gens
+        gen = gens.get(by) if by is not None else None
+        if gen is None or len(gen.announced.get(chunk, ())) < namespaces:
+            # The generation ``published_by`` names (kvstate's annotation, may
+            # be left out) did not complete the quorum: any live generation
+            # whose ranks announced the chunk from every namespace does.
+            best: set[int] = set()
+            for holder in self.announcers.get(chunk, ()):
+                announced = gens[holder].announced[chunk]
+                if len(announced) >= namespaces:
+                    best = announced
+                    if by is not None:
+                        self.disagree("S16", "published_by names a generation that did not "
+                                      "complete the event's quorum (another one did)")
+                    break
+                if len(announced) > len(best):
+                    best = announced
+            missing = set(range(namespaces)) - best
+            if missing:
+                self.fail("S16", f"event for {digest.hex()} published, but rank namespaces "
+                          f"{sorted(missing)} never reported storing it")
         parent = event.parent_block_hash
         if (parent is not None and parent not in self.known_blocks
                 and parent not in self.evicted_blocks):
@@ -541,7 +729,9 @@ class Monitor:
                 self.frontier[(obs.rank, gen_key)] = max(
                     self.frontier.get((obs.rank, gen_key), 0),
                     min(first_failed, obs.token_len))
-        if obs.outcome == "skipped" and obs.skipped_since is not None and \
+        if obs.outcome == "skipped" and obs.skipped_since is not None and "now" in self.absent:
+            self.skip("K6", "a skip whose rank clock (now) was not recorded")
+        elif obs.outcome == "skipped" and obs.skipped_since is not None and \
                 obs.now - obs.skipped_since >= config.pressure_backoff:
             self.fail("K6", f"rank {obs.rank} skipped job {obs.job_id} of {gen_key}: skipped "
                       f"since {obs.skipped_since}, now {obs.now}, backoff "
@@ -549,8 +739,14 @@ class Monitor:
         if gen is None:
             return
         ns = obs.rank // step
+        announced = gen.announced
         for event in obs.events:
-            gen.announced.setdefault((event.block_hashes[-1], event.group_idx), set()).add(ns)
+            chunk = (event.block_hashes[-1], event.group_idx)
+            namespaces = announced.get(chunk)
+            if namespaces is None:
+                namespaces = announced[chunk] = set()
+                self.announcers.setdefault(chunk, []).append(gen_key)
+            namespaces.add(ns)
         for event in obs.events:
             self._check_event(obs, gen, event)
 
@@ -595,13 +791,29 @@ class Monitor:
 
     def _on_ReportDelivered(self, obs: ReportDelivered) -> None:
         report = obs.report
+        world = self.config.world_size
+        if not 0 <= report.rank < world:
+            self._report_found.add("S4")
+            self.fail("S4", f"report for job {report.job_id} from rank {report.rank}, not one "
+                      f"of the {world} ranks")
+            return
         job = self.jobs.get(report.job_id)
-        if job is None:
-            return  # unknown jobs are the planner's S4 finding
+        if job is None or job.complete:
+            self._report_found.add("S4")
+            self.fail("S4", f"rank {report.rank} reported job {report.job_id}, which is not "
+                      "outstanding (every rank reported it already, or it was never emitted)")
+            return
         if report.rank in job.reports:
+            self._report_found.add("S4")
             self.fail("S4", f"rank {report.rank} reported job {report.job_id} twice")
         job.reports.add(report.rank)
         self.last_report[report.rank] = self.step
+        if len(job.reports) == world:
+            job.complete = True
+            if job.claimed:  # released early by a settlement: gone now
+                self._drop(report.job_id, job)
+            else:
+                self._completed.append(report.job_id)
 
     # ------------------------------------------------------------------
     # Engine and store.
@@ -694,6 +906,8 @@ class Monitor:
             raise ValueError(f"at_end={at_end!r}: expected 'closed' or 'open'")
         if self.quiescent:
             return []
+        self._release_completed()
+        settling = set(self._completed)  # reported since the last settlement: in flight
         now, bound = self.step, liveness_steps
         world = range(self.config.world_size)
         unreported: dict[int, list[tuple[int, _Job]]] = {}
@@ -706,7 +920,7 @@ class Monitor:
             missing = [r for r in world if r not in job.reports]
             for rank in missing:
                 unreported.setdefault(rank, []).append((job_id, job))
-            if not missing:
+            if not missing and job_id not in settling:
                 unreleased.append((job_id, job))
         old_pins = sorted((since, block) for block, since in self.pinned_since.items()
                           if now - since >= bound)

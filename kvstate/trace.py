@@ -353,8 +353,40 @@ def parse_json(text: str, where: str) -> Any:
         raise TraceError(where, "", "invalid JSON (nested too deeply)") from None
 
 
+# Optional fields only kvstate knows as a producer (its own verdicts and
+# bookkeeping): an engine's recorder may leave them out, and a left-out one is
+# *unknown*, not its empty default. Per observation type: the record field
+# holding them (None: the line itself) and their names. ``absent_annotations``
+# names those a line left out; the monitor never reads them as a verdict.
+ANNOTATIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "Planned": ("plan", ("violations", "started", "ended")),
+    "Settled": ("settlement", ("released_jobs", "published_by", "violations",
+                               "dropped_events")),
+    "JobFinished": (None, ("now", "skipped_since")),
+}
+NO_ABSENT: frozenset[str] = frozenset()
+
+
+def absent_annotations(kind: str, data: dict[str, Any]) -> frozenset[str]:
+    spec = ANNOTATIONS.get(kind)
+    if spec is None:
+        return NO_ABSENT
+    holder, names = spec
+    record = data if holder is None else data.get(holder)
+    if not isinstance(record, dict):
+        return NO_ABSENT
+    missing = [name for name in names if name not in record]
+    return frozenset(missing) if missing else NO_ABSENT
+
+
 def decode_line(text: str, where: str) -> tuple[int, int, float, Any]:
     """(index, engine, time, observation) of one trace line."""
+    index, engine, when, obs, _ = decode_line_absent(text, where)
+    return index, engine, when, obs
+
+
+def decode_line_absent(text: str, where: str) -> tuple[int, int, float, Any, frozenset[str]]:
+    """``decode_line`` plus the annotation fields the line left out."""
     data = parse_json(text, where)
     if not isinstance(data, dict):
         raise TraceError(where, "", f"expected a JSON object, got {type(data).__name__}")
@@ -375,7 +407,7 @@ def decode_line(text: str, where: str) -> tuple[int, int, float, Any]:
         obs = decode_record(cls, data, where, skip=("i", "e", "t", "type"))
     except RecursionError:
         raise TraceError(where, "", "nested too deeply") from None
-    return meta["i"], meta["e"], meta["t"], obs
+    return meta["i"], meta["e"], meta["t"], obs, absent_annotations(kind, data)
 
 
 def read_header(text: str, where: str) -> dict[str, Any]:
@@ -677,13 +709,15 @@ class TraceReader:
             self.close()
             raise
         self.engines = len(self.header["configs"])
+        # The annotation fields the latest line left out (`ANNOTATIONS`).
+        self.absent: frozenset[str] = NO_ABSENT
 
     def __iter__(self) -> Iterator[tuple[int, int, float, Any]]:
         validator = _Validator(self.header["configs"])
         for number, text in self._lines:
             self.last_line = number
             where = f"{self.name}:{number}"
-            index, engine, when, obs = decode_line(text, where)
+            index, engine, when, obs, self.absent = decode_line_absent(text, where)
             if not 0 <= engine < self.engines:
                 raise TraceError(where, "e",
                                  f"engine {engine} but the header configures {self.engines}")

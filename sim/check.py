@@ -56,7 +56,7 @@ def check_trace(path: str | Path, stop_at_first: bool = False,
         for number, engine, _, obs in reader:
             monitor = monitors[engine]
             try:
-                monitor.observe(obs)
+                monitor.observe(obs, reader.absent)
             except Exception as exc:  # a monitor must judge any valid line, never crash
                 raise TraceError(f"{reader.name}:{number}", "",
                                  f"the checker could not take this {type(obs).__name__} "

@@ -711,7 +711,9 @@ def test_a_trace_cut_mid_run_is_listed_not_judged(tmp_path: Path, capsys) -> Non
 
 def test_a_job_every_rank_reported_but_nobody_released(tmp_path: Path, capsys) -> None:
     lines = fixture(idle_steps=70)
-    lines.pop(line_of(lines, "Settled"))
+    settled = lines[line_of(lines, "Settled")]["settlement"]
+    settled["released_jobs"] = []
+    settled["releases"] = []
     for _ in range(2):
         lines.pop(line_of(lines, "BlockFreed"))
     for i, line in enumerate(lines[1:]):
@@ -719,3 +721,206 @@ def test_a_job_every_rank_reported_but_nobody_released(tmp_path: Path, capsys) -
     code, out, _ = run(capsys, "check", str(write(tmp_path / "t.jsonl", lines)))
     assert code == 1
     assert {v["invariant"] for v in out["violations"]} == {"S18", "S6"}
+    # With no settlement at all, which jobs were released is not recorded:
+    # S18 is a note (the pins still held remain S6).
+    lines.pop(line_of(lines, "Settled"))
+    for i, line in enumerate(lines[1:]):
+        line["i"] = i
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "t.jsonl", lines)))
+    assert code == 1
+    assert {v["invariant"] for v in out["violations"]} == {"S6"}
+    assert any(n.startswith("S18 not checked") for n in out["notes"]), out["notes"]
+
+
+# --------------------------------------------------------------------------
+# Defaults: an annotation left out (kvstate's own bookkeeping and verdicts,
+# which an engine's recorder need not write) is unknown, never read as its
+# empty default and so as a violation.
+
+
+def _renumber(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for i, line in enumerate(lines[1:]):
+        line["i"], line["t"] = i, float(i // 10)
+    return lines
+
+
+def _check(tmp_path: Path, capsys, lines: list[Any], *argv: str) -> tuple[int, Any]:
+    code, out, err = run(capsys, "check", str(write(tmp_path / "t.jsonl", lines)), *argv)
+    assert code in (0, 1), err
+    return code, out
+
+
+def test_an_event_published_without_a_publisher_list_is_judged_from_the_announcements(
+        tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    del lines[line_of(lines, "Settled")]["settlement"]["published_by"]
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 0 and out["notes"] == [], out
+    # Left out, and really published without a quorum: still S16.
+    n = line_of(lines, "JobFinished", rank=1)
+    lines[n]["events"] = []
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 1 and {v["invariant"] for v in out["violations"]} == {"S16"}, out
+
+
+def test_a_settlement_without_released_jobs_releases_what_every_rank_reported(
+        tmp_path: Path, capsys) -> None:
+    lines = fixture(idle_steps=70)
+    del lines[line_of(lines, "Settled")]["settlement"]["released_jobs"]
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 0, out
+    assert any(n.startswith("S18 not checked") for n in out["notes"]), out["notes"]
+
+
+def test_a_plan_without_started_or_ended_records_is_judged_from_the_scheduler_output(
+        tmp_path: Path, capsys) -> None:
+    lines = fixture(idle_steps=70)
+    for line in lines:
+        if line.get("type") == "Planned":
+            line["plan"].pop("started", None)
+            line["plan"].pop("ended", None)
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 0 and out["notes"] == [], out
+    # Still judged: a save beyond the computed tokens is S7 without ``started``.
+    lines[line_of(lines, "StepScheduled")]["step"]["new"][0]["num_scheduled_tokens"] = BS
+    code, out = _check(tmp_path, capsys, lines)
+    assert "S7" in {v["invariant"] for v in out["violations"]}, out
+
+
+def _skipped_job(lines: list[dict[str, Any]], **fields: Any) -> None:
+    n = line_of(lines, "JobFinished", rank=0)
+    lines[n].update(outcome="skipped", stored=[], events=[], **fields)
+
+
+def test_a_skip_without_the_ranks_clock_is_not_judged_by_k6(tmp_path: Path, capsys) -> None:
+    lines = fixture(events=False)
+    _skipped_job(lines, skipped_since=-5.0)  # the rank's clock, whatever its epoch
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 0, out
+    assert any(n.startswith("K6 not checked") for n in out["notes"]), out["notes"]
+    _skipped_job(lines, skipped_since=-5.0, now=-1.0)  # recorded: judged
+    code, out = _check(tmp_path, capsys, lines)
+    assert {v["invariant"] for v in out["violations"]} == {"K6"}, out
+
+
+# --------------------------------------------------------------------------
+# Nothing on trust: every verdict derived from the observations; where the
+# recorder states its own (a plan's or a settlement's violations, the jobs a
+# settlement released, the publishing generation) it is compared, not believed.
+
+
+def _preempt_while_scheduled(lines: list[dict[str, Any]]) -> int:
+    """Step 2 schedules request ``a`` (a decode token) and preempts it."""
+    n = line_of(lines, "StepScheduled", 1)
+    lines[n]["step"] = {"@": "SchedulerStep", "cached": [{
+        "@": "CachedRequest", "req_id": "a", "num_computed_tokens": 8, "new_token_ids": [9],
+        "new_block_ids": [[]]}], "preempted": ["a"]}
+    return n
+
+
+def test_a_plan_that_lists_no_violation_while_scheduling_a_preempted_request(
+        tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    n = _preempt_while_scheduled(lines)
+    lines[n + 1]["plan"]["violations"] = []  # the recorder says: nothing wrong
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 1, out
+    s23 = [v for v in out["violations"] if v["invariant"] == "S23"]
+    assert s23 and "scheduled in the step that preempts it" in s23[0]["message"]
+    assert s23[0]["line"] == n + 1
+    assert any("does not list a violation the checker found" in x for x in out["notes"])
+    # The plan may leave its list out: S23 all the same, no note about the list.
+    del lines[n + 1]["plan"]["violations"]
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 1 and not any("does not list" in x for x in out["notes"]), out
+
+
+def test_preempting_a_request_that_is_not_running_is_s23(tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    n = line_of(lines, "StepScheduled", 1)
+    lines[n]["step"] = {"@": "SchedulerStep", "finished": ["a"], "preempted": ["ghost"]}
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 1 and {v["invariant"] for v in out["violations"]} == {"S23"}, out
+    assert "'ghost'" in out["violations"][0]["message"]
+
+
+def test_a_violation_a_plan_lists_but_the_observations_do_not_show_is_a_note(
+        tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    n = line_of(lines, "Planned", 1)
+    lines[n]["plan"]["violations"] = [{"@": "Violation", "invariant": "S23",
+                                       "message": "request 'a' is scheduled in step 2"}]
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 0, out
+    assert any(x.startswith("S23: the recorder's plan lists a violation the observations "
+                            "do not show") for x in out["notes"]), out["notes"]
+
+
+def test_a_settlement_releasing_a_job_before_every_rank_reported(tmp_path: Path,
+                                                                 capsys) -> None:
+    lines = fixture()
+    late = lines.pop(line_of(lines, "ReportDelivered", 1))  # rank 1 reports after it
+    lines.insert(line_of(lines, "Settled") + 1, late)
+    code, out = _check(tmp_path, capsys, _renumber(lines))
+    assert code == 1, out
+    (s4,) = [v for v in out["violations"] if v["invariant"] == "S4"]
+    assert "releases job 1 before ranks [1] reported it" in s4["message"]
+
+
+def test_a_settlement_omitting_a_job_every_rank_reported(tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    n = line_of(lines, "Settled")
+    lines[n]["settlement"]["released_jobs"] = []
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 1, out
+    (s18,) = out["violations"]
+    assert s18["invariant"] == "S18" and s18["line"] == n + 1
+    assert "does not release it" in s18["message"]
+    # Released in a later settlement: the omission is reported once.
+    late = copy.deepcopy(lines[n])
+    late["settlement"] = {"@": "Settlement", "released_jobs": [1]}
+    lines.insert(n + 1, late)
+    code, out = _check(tmp_path, capsys, _renumber(lines))
+    assert [v["invariant"] for v in out["violations"]] == ["S18"], out
+
+
+def test_a_report_after_every_rank_reported_is_s4(tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    again = copy.deepcopy(lines[line_of(lines, "ReportDelivered", 0)])
+    lines.insert(line_of(lines, "Settled") + 1, again)
+    code, out = _check(tmp_path, capsys, _renumber(lines))
+    assert code == 1 and {v["invariant"] for v in out["violations"]} == {"S4"}, out
+    assert "not outstanding" in out["violations"][0]["message"]
+
+
+def test_a_settlement_listing_a_violation_the_reports_do_not_show_is_a_note(
+        tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    lines[line_of(lines, "Settled")]["settlement"]["violations"] = [{
+        "@": "Violation", "invariant": "S4", "message": "rank 1 reported job 1 twice"}]
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 0 and any(x.startswith("S4: the recorder's settlement lists") for x in
+                             out["notes"]), out
+
+
+def test_a_publishing_generation_the_recorder_misnames_is_a_note(tmp_path: Path,
+                                                                 capsys) -> None:
+    lines = fixture()
+    lines[line_of(lines, "Settled")]["settlement"]["published_by"] = [["zz", 9]] * 2
+    code, out = _check(tmp_path, capsys, lines)
+    assert code == 0, out
+    assert any("published_by names a generation" in x for x in out["notes"]), out["notes"]
+
+
+def test_a_report_from_a_rank_outside_the_world_is_s4_in_the_monitor() -> None:
+    """The trace reader refuses such a line (exit 2); the monitor, which the
+    simulator and the vLLM connector feed directly, judges it itself."""
+    from kvstate.config import ConnectorConfig
+    from kvstate.invariants import Monitor
+    from kvstate.observations import ReportDelivered
+    from kvstate.records import Report
+    from kvstate.tables import JobState
+
+    monitor = Monitor(ConnectorConfig(block_size=BS, world_size=2))
+    monitor.observe(ReportDelivered(Report(1, 7, "a", 1, JobState.STORED, 0)))
+    assert monitor.fired() == {"S4"} and "rank 7" in monitor.findings[0].message
