@@ -368,7 +368,7 @@ def add_sim_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fast25-path", default=d.fast25_path,
                        help="FAST'25 trace (default: ../shared/data/mooncake-fast25/...)")
     group.add_argument("--scale", type=_positive_int, default=d.scale,
-                       help="divide FAST'25 token counts by this (must divide 512)")
+                       help="divide FAST'25 token counts by this (any positive integer)")
     group.add_argument("--requests", type=_positive_int, default=d.requests)
     group.add_argument("--rate", type=_positive_float, default=d.rate,
                        help="synthetic arrivals per second")
@@ -379,6 +379,9 @@ def add_sim_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-blocks", type=_positive_int, default=d.num_blocks)
     group.add_argument("--store-capacity", type=_positive_int, default=d.store_capacity)
     group.add_argument("--token-budget", type=_positive_int, default=d.token_budget)
+    group.add_argument("--max-model-len", type=_nonneg_int, default=d.max_model_len,
+                       help="refuse requests whose prompt plus max tokens exceed this "
+                       "(vLLM's admission; 0: what the KV cache holds)")
     group.add_argument("--events", dest="events", action="store_true", default=d.events)
     group.add_argument("--no-events", dest="events", action="store_false")
     group.add_argument("--faults", type=_faults_arg, default=d.faults,
@@ -403,6 +406,13 @@ def _validate(options: Any) -> None:
         build_configs(options)
     except ValueError as exc:
         raise UsageError(str(exc).replace("ConnectorConfig.", "--").replace("_", "-")) from None
+    from sim.engine import kv_capacity_tokens
+
+    capacity = kv_capacity_tokens(options.num_blocks, options.block_size)
+    if options.max_model_len > capacity:
+        # vLLM refuses to start when the KV cache cannot hold one max-length request.
+        raise UsageError(f"--max-model-len={options.max_model_len}: the KV cache holds "
+                         f"{capacity} tokens (--num-blocks x --block-size)")
 
 
 def _violation_dicts(result: Any) -> list[dict[str, Any]]:
@@ -480,19 +490,26 @@ def cmd_sim(args: argparse.Namespace) -> int:
             ["observations checked", f"{f['observations']} x {f['invariants_checked']} invariants"],
             ["engine steps", str(f["steps"])],
             ["preemptions / id reuses", f"{f['preemptions']} / {f['id_reuses']}"],
+            ["requests rejected at admission", str(f["rejected"])],
             ["store puts / exists keys", f"{f['store_puts']} / {f['store_exists_keys']}"],
             ["store keys / evictions", f"{f['store_keys']} / {f['store_evictions']}"],
             ["events published", str(f["events_published"])],
+            ["events per stored chunk / duplicate ratio",
+             f"{f['events_per_stored_chunk']} / {f['event_duplicate_ratio']} "
+             f"({f['events_duplicate']} duplicates, {f['chunks_stored']} chunks stored)"],
             ["router: blocks / orphans rejected", f"{f['consumer_blocks']} / "
              f"{f['consumer_orphans_rejected']}"],
             ["router: mean prefix hit at arrival", f"{f['mean_prefix_hit_chunks']} chunks"],
-            ["liveness (settled)", "yes" if f["liveness_ok"] else "NO"]]
+            ["liveness (settled)", "yes" if f["liveness_ok"] else
+             f"NO: {f['liveness_stall']} stalled"]]
     print(_table(rows))
     if determinism is not None:
         print(f"determinism: trace sha256 {determinism['first'][:16]}... twice: "
               f"{'identical' if determinism['identical'] else 'DIFFERENT'}")
     if args.trace:
         print(f"trace: {args.trace}")
+    if f.get("liveness_detail"):
+        print(f"liveness: {f['liveness_detail']}")
     if not result.ok:
         _print_violation(result)
     print(f"\nresult: {'ok' if ok else 'VIOLATION'}")

@@ -9,6 +9,14 @@ there is work, arrivals at their times, and one ``RankThread`` per
 tensor-parallel rank — a FIFO send thread whose store calls take the store's
 latency, may hang (until the protocol's timeout, if it has one) or stall.
 Reports reach the planner at the next step, as vLLM's worker metadata does.
+
+Admission is vLLM's: a request whose prompt plus maximum output exceeds
+``max_model_len``, or needs more blocks than the KV cache has in all (vLLM
+refuses to start with a ``max_model_len`` its cache cannot hold, so no request
+it admits can outgrow the cache), is refused at arrival and counted in
+``rejected``; it never enters the engine. Without this, one prompt larger than
+the pool drives the engine into endless preempt/resume, and the protocol's
+bookkeeping for it never settles.
 """
 
 from __future__ import annotations
@@ -24,6 +32,11 @@ from sim.workloads import Arrival
 
 STALL_TIME = 0.5  # seconds a stalled rank sleeps (a long GC pause or a slow NIC)
 REUSE_MEMORY = 64  # finished ids a client may resubmit
+
+
+def kv_capacity_tokens(num_blocks: int, block_size: int, groups: int = 1) -> int:
+    """The most tokens one request can hold: every group needs its own blocks."""
+    return (num_blocks // max(1, groups)) * block_size
 
 
 class RankThread:
@@ -89,6 +102,7 @@ class SimEngine:
         step_time: float = 0.02,
         lookup: bool = True,
         on_prefilled: Callable[[EngineRequest], None] | None = None,
+        max_model_len: int = 0,
     ) -> None:
         self.name = name
         self.index = index
@@ -104,12 +118,32 @@ class SimEngine:
         self.steps = 0
         self.reuses = 0
         self.hung_calls = 0
+        self.rejected = 0
+        # vLLM's max_model_len; 0: what the KV cache can hold (blocks x block size).
+        self.capacity_tokens = kv_capacity_tokens(len(harness.pool.refs) - 1,
+                                                  harness.config.block_size,
+                                                  len(harness.config.groups))
+        self.max_model_len = max_model_len or self.capacity_tokens
         self.backlog: deque[Arrival] = deque()
         self._recent: deque[str] = deque(maxlen=REUSE_MEMORY)
 
     # Clients.
 
-    def arrive(self, arrival: Arrival, transferred: bool = False) -> None:
+    def refusal(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why vLLM would refuse this request at admission (None: admitted)."""
+        total = prompt_tokens + max_new_tokens
+        if total > self.max_model_len:
+            return (f"prompt ({prompt_tokens}) plus max tokens ({max_new_tokens}) exceeds "
+                    f"max_model_len {self.max_model_len}")
+        if total > self.capacity_tokens:
+            return f"{total} tokens exceed the KV cache ({self.capacity_tokens} tokens)"
+        return None
+
+    def arrive(self, arrival: Arrival, transferred: bool = False) -> bool:
+        """A client submits a request; False when admission refused it."""
+        if self.refusal(len(arrival.prompt), arrival.max_new_tokens) is not None:
+            self.rejected += 1
+            return False
         req_id = arrival.req_id
         if not transferred and self.faults.fire("id_reuse"):
             for old in self._recent:
@@ -124,6 +158,7 @@ class SimEngine:
                              lookup=self.lookup, transferred=transferred)
             self._recent.append(req_id)
         self.wake()
+        return True
 
     def wake(self) -> None:
         if not self.stepping:

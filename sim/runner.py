@@ -5,6 +5,19 @@ invariant is checked after every observation; the first violation stops the
 run. *Liveness*: faults off, no new arrivals, and at most ``settle_time``
 virtual seconds for everything to drain; then a ``Quiescent`` observation
 asks the liveness invariants (S4, S6, S18, K3) whether anything is left.
+A liveness failure names who stalled (``liveness_stall``): ``environment``
+when the engine model itself still holds requests it could not finish (the
+protocol's leftovers then belong to those requests), ``protocol`` when every
+request finished and the protocol still did not settle.
+
+Admission (``sim.engine``): requests vLLM would refuse (prompt plus max
+tokens over ``max_model_len``, or more than the KV cache holds) are counted in
+``rejected`` and never enter an engine.
+
+Event figures: ``events_per_stored_chunk`` is published ``BlockStored``
+events over distinct (group, chunk hash) pairs some rank stored;
+``event_duplicate_ratio`` the share of published events announcing a
+(group, hash) an earlier event of the run already announced.
 
 Setups. ``both``: one ``kv_both`` engine saving prefill and decode KV.
 ``pd``: a prefill engine (``kv_producer``) and a decode engine
@@ -30,7 +43,7 @@ from kvstate.config import ConnectorConfig, Role
 from kvstate.harness import EngineRequest, Harness
 from kvstate.invariants import INVARIANTS, Finding, Monitor
 from kvstate.keys import HashChain, chunk_hash
-from kvstate.observations import KeyEvicted, Observation, Settled
+from kvstate.observations import KeyEvicted, Observation, PutDone, Settled
 from kvstate.trace import encode_header, encode_observation
 from kvstate.variants import get_variant
 from sim.consumer import RadixConsumer
@@ -61,6 +74,7 @@ class SimOptions:
     num_blocks: int = 160
     store_capacity: int = 600
     token_budget: int = 256
+    max_model_len: int = 0  # 0: what the KV cache holds (num_blocks x block_size)
     events: bool = True
     faults: tuple[str, ...] = tuple(SITES)
     settle_time: float = 30.0
@@ -109,11 +123,25 @@ class _Recorder:
         self.local: list[int] = []
         # (trace index, engine, engine-local index, time, observation)
         self.recent: deque[tuple[int, int, int, float, Observation]] = deque(maxlen=WINDOW)
+        self.announced: set[tuple[int, bytes]] = set()  # (group, hash) ever published
+        self.duplicates = 0  # published events whose (group, hash) was announced before
+        self.stored: set[tuple[int, str]] = set()  # (group, hash hex) some rank stored
 
     def sink(self, engine: int, consumer: RadixConsumer | None = None) -> Any:
         self.local.append(0)
 
         def record(obs: Observation) -> None:
+            kind = type(obs)
+            if kind is Settled:
+                announced = self.announced
+                for event in obs.settlement.published:  # type: ignore[attr-defined]
+                    key = (event.group_idx, event.block_hashes[-1])
+                    if key in announced:
+                        self.duplicates += 1
+                    else:
+                        announced.add(key)
+            elif kind is PutDone and obs.accepted:  # type: ignore[attr-defined]
+                self.stored.add((obs.group, obs.key.rsplit("@", 1)[1]))  # type: ignore[attr-defined]
             if consumer is not None:
                 if type(obs) is Settled:
                     for event in obs.settlement.published:
@@ -204,7 +232,8 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
                           sink=recorder.sink(index, consumer if options.events else None),
                           clock=lambda: kernel.now)
         engines.append(SimEngine(config.role.value, index, kernel, harness, store, faults,
-                                 lookup=config.role is not Role.CONSUMER))
+                                 lookup=config.role is not Role.CONSUMER,
+                                 max_model_len=options.max_model_len))
     pending_max_new: dict[str, int] = {}
     if options.setup == "pd":
         def hand_off(req: EngineRequest) -> None:
@@ -217,6 +246,11 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
     block, per_block = configs[0].block_size, configs[0].hashes_per_block
 
     def arrive(arrival: Arrival) -> None:
+        # Admission: the engine that will hold the whole request decides.
+        holder = engines[-1]
+        if holder.refusal(len(arrival.prompt), arrival.max_new_tokens) is not None:
+            holder.rejected += 1
+            return
         if options.events:
             hashes = HashChain(configs[0].hash_block, arrival.prompt).hashes
             consumer.prefix_hit([chunk_hash(hashes, c, per_block)
@@ -260,6 +294,7 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
     arrivals, last_arrival = counts["arrivals"], counts["last"]
     safety_events = kernel.processed
     liveness_ok = True
+    stall, stall_detail = "none", ""
     if not violated():
         # Liveness phase: faults off, and a bound generous enough for the work
         # still queued (a fault swarm can leave a long backlog behind a slow
@@ -267,13 +302,31 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         faults.enabled = False
         backlog = sum(len(e.harness.requests) + len(e.backlog) for e in engines)
         deadline = kernel.now + options.settle_time + 2.0 * backlog
+        preempted_before = sum(e.harness.preemptions for e in engines)
         kernel.run(until=deadline,
                    stop=lambda: violated() or all(e.idle() for e in engines))
+        left = {e.name: len(e.harness.requests) + len(e.backlog) for e in engines}
         for engine in engines:
             engine.harness.quiesce()
         liveness_ok = not any(m.findings for m in monitors)
+        if not liveness_ok:
+            if any(left.values()):
+                stall = "environment"
+                thrash = sum(e.harness.preemptions for e in engines) - preempted_before
+                pinned = sum(1 for e in engines for b, r in enumerate(e.harness.pool.refs)
+                             if b and r > 0)
+                stall_detail = (
+                    "the engine model stalled: requests never finished "
+                    + ", ".join(f"{n} in {name}" for name, n in left.items() if n)
+                    + f" after the settle deadline ({thrash} preemptions while settling, "
+                    f"{pinned} blocks referenced); the protocol's leftovers belong to them")
+            else:
+                stall = "protocol"
+                stall_detail = ("every request finished, yet the protocol did not settle "
+                                "(its own state was left behind)")
 
     findings = [(i, f) for i, m in enumerate(monitors) for f in m.findings]
+    published = sum(e.harness.published_count for e in engines)
     windows = [_window(recorder, engine, finding) for engine, finding in findings[:3]]
     figures = {
         "simulated_seconds": round(kernel.now, 6),
@@ -289,7 +342,13 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         "store_keys": len(store.objects),
         "store_puts": store.puts,
         "store_exists_keys": store.exists_keys,
-        "events_published": sum(e.harness.published_count for e in engines),
+        "events_published": published,
+        "events_duplicate": recorder.duplicates,
+        "event_duplicate_ratio": round(recorder.duplicates / published, 4) if published else 0.0,
+        "chunks_stored": len(recorder.stored),
+        "events_per_stored_chunk": round(published / len(recorder.stored), 4)
+        if recorder.stored else 0.0,
+        "rejected": sum(e.rejected for e in engines),
         "hung_calls": sum(e.hung_calls for e in engines),
         "consumer_blocks": consumer.accepted,
         "consumer_orphans_rejected": consumer.orphans,
@@ -298,6 +357,8 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         if consumer.lookups else 0.0,
         "invariants_checked": len(INVARIANTS),
         "liveness_ok": liveness_ok,
+        "liveness_stall": stall,
+        "liveness_detail": stall_detail,
         "wall_seconds": round(wallclock.perf_counter() - started, 3),
     }
     return SimResult(

@@ -1,0 +1,235 @@
+"""Production-shaped workloads (issue 10): Mooncake trace readers, sound
+scaling, admission, liveness attribution, event-flood figures."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kvstate.keys import HashChain
+from sim.cli import main
+from sim.engine import SimEngine
+from sim.runner import SimOptions, simulate
+from sim.workloads import FAST25_BLOCK, Remap, WorkloadError, fast25, read_mooncake
+
+GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 20, "hash_ids": [0, 1]}
+
+
+def _line(**fields: object) -> str:
+    return json.dumps({**GOOD, **fields})
+
+
+def _write(tmp_path: Path, lines: list[str], name: str = "trace.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+# ---------------------------------------------------------------------------
+# 1. Readers: every malformed line is one `file:line: ...` error, exit 2.
+
+DEEP = "[" * 200_000 + "]" * 200_000
+BIG = "9" * 5000
+
+MALFORMED = [
+    ("empty-hash-ids", _line(hash_ids=[]), "field 'hash_ids': []"),
+    ("too-few-hash-ids", _line(input_length=5000), "field 'hash_ids': [0, 1]"),
+    ("5000-digit-length", f'{{"timestamp": 0, "input_length": {BIG}, "output_length": 1, '
+     '"hash_ids": [0]}', "invalid JSON"),
+    ("5000-digit-hash-id", f'{{"timestamp": 0, "input_length": 1, "output_length": 1, '
+     f'"hash_ids": [{BIG}]}}', "invalid JSON"),
+    ("5000-digit-float-timestamp", f'{{"timestamp": {BIG}.5, "input_length": 1, '
+     '"output_length": 1, "hash_ids": [0]}', "field 'timestamp': inf"),
+    ("huge-hash-id", _line(input_length=1, hash_ids=[1 << 64]), "field 'hash_ids': element"),
+    ("deep-nesting", DEEP, "nested too deeply"),
+    ("deep-nesting-in-field", '{"timestamp": ' + DEEP + "}", "nested too deeply"),
+    ("infinite-timestamp", '{"timestamp": Infinity, "input_length": 1, "output_length": 1, '
+     '"hash_ids": [0]}', "field 'timestamp': inf"),
+    ("overflowing-timestamp", '{"timestamp": 1e999, "input_length": 1, "output_length": 1, '
+     '"hash_ids": [0]}', "field 'timestamp': inf"),
+    ("nan-timestamp", '{"timestamp": NaN, "input_length": 1, "output_length": 1, '
+     '"hash_ids": [0]}', "field 'timestamp': nan"),
+    ("negative-timestamp", _line(timestamp=-5), "field 'timestamp': -5"),
+    ("negative-input-length", _line(input_length=-3), "field 'input_length': -3"),
+    ("zero-input-length", _line(input_length=0, hash_ids=[]), "field 'input_length': 0"),
+    ("float-input-length", _line(input_length=999.5), "field 'input_length': 999.5"),
+    ("integral-float-length", _line(output_length=20.0), "field 'output_length': 20.0"),
+    ("bool-length", _line(output_length=True), "field 'output_length': True"),
+    ("string-length", _line(input_length="1000"), "field 'input_length': '1000'"),
+    ("negative-output-length", _line(output_length=-1), "field 'output_length': -1"),
+    ("huge-output-length", _line(output_length=10**12), "field 'output_length'"),
+    ("negative-hash-id", _line(hash_ids=[0, -1]), "field 'hash_ids': element -1"),
+    ("string-hash-id", _line(hash_ids=[0, "1"]), "field 'hash_ids': element '1'"),
+    ("hash-ids-not-a-list", _line(hash_ids={"0": 1}), "field 'hash_ids': {'0': 1}"),
+    ("missing-field", json.dumps({k: v for k, v in GOOD.items() if k != "output_length"}),
+     "field 'output_length': missing"),
+    ("array-line", "[1, 2, 3]", "expected an object"),
+    ("null-line", "null", "expected an object"),
+    ("number-line", "12", "expected an object"),
+    ("invalid-json", "{not json", "invalid JSON"),
+]
+
+
+@pytest.mark.parametrize(("line", "needle"), [m[1:] for m in MALFORMED],
+                         ids=[m[0] for m in MALFORMED])
+def test_malformed_line_is_a_file_line_error_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, needle: str) -> None:
+    path = _write(tmp_path, [_line(), line, _line(timestamp=5)])
+    with pytest.raises(WorkloadError) as err:
+        list(read_mooncake(path))
+    assert str(err.value).startswith(f"{path}:2: ")
+    assert needle in str(err.value)
+    assert len(str(err.value)) < 400  # a 5,000-digit value is shown shortened
+    code = main(["sim", "--workload", "fast25", "--fast25-path", str(path), "--requests", "3"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert f"{path}:2: " in captured.err and needle in captured.err
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_timestamps_must_not_go_backwards_and_bad_bytes_are_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, [_line(timestamp=10), _line(timestamp=3)])
+    with pytest.raises(WorkloadError, match=r":2: field 'timestamp': 3 \(earlier"):
+        list(read_mooncake(path))
+    raw = tmp_path / "bytes.jsonl"
+    raw.write_bytes(_line().encode() + b"\n\xff\xfe\n")
+    with pytest.raises(WorkloadError, match=r"bytes.jsonl:2: not UTF-8"):
+        list(read_mooncake(raw))
+
+
+def test_blank_lines_are_skipped_and_extra_fields_ignored(tmp_path: Path) -> None:
+    path = _write(tmp_path, [_line(), "", "   ", _line(timestamp=2.5, session="abc")])
+    assert [row[0] for row in read_mooncake(path)] == [0.0, 2.5]
+
+
+def test_paths_that_are_not_regular_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError, match="not a regular file"):
+        list(read_mooncake(tmp_path))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(WorkloadError, match="not a regular file"):  # never blocks opening it
+        list(read_mooncake(fifo))
+    with pytest.raises(WorkloadError, match="no requests"):
+        list(fast25(_write(tmp_path, [""], "empty.jsonl")))
+
+
+# ---------------------------------------------------------------------------
+# 1b. --scale: any positive integer, hash ids remapped soundly.
+
+
+def _covered_ids(ids: list[int], scale: int, end_token: int) -> tuple[int, ...]:
+    """The original hash ids the scaled tokens [0, end_token) cover."""
+    return tuple(ids[: (end_token * scale - 1) // FAST25_BLOCK + 1])
+
+
+@pytest.mark.parametrize("scale", [1, 3, 7, 32, 100, 511, 512, 513, 1000, 2048])
+def test_scaled_blocks_are_shared_iff_the_original_blocks_they_cover_are(scale: int) -> None:
+    """The argument in ``Remap``'s docstring, checked on every pair of prompts
+    and every scaled block: prompts built from few distinct hash ids (so they
+    share and diverge at every position), including ids 0 and 50,000 (which
+    the old reader turned into identical tokens) and ids that recur at other
+    positions (no prefix structure assumed)."""
+    rng = random.Random(scale)
+    block = 4 if scale < FAST25_BLOCK else 2
+    remap = Remap(scale)
+    prompts = []
+    for _ in range(24):
+        n = rng.randint(1, max(6, 4 * block * scale // FAST25_BLOCK))
+        ids = [rng.choice((0, 50_000, 1, 2)) for _ in range(n)]
+        length = rng.randint(max(1, (n - 1) * FAST25_BLOCK + 1), n * FAST25_BLOCK)
+        scaled = length // scale
+        if scaled < block:
+            continue
+        prompts.append((ids, scaled, HashChain(block, remap.tokens(ids, scaled)).hashes))
+    assert len(prompts) >= 6
+    for (ids_a, _, hashes_a), (ids_b, _, hashes_b) in itertools.combinations(prompts, 2):
+        for k in range(min(len(hashes_a), len(hashes_b))):
+            end = (k + 1) * block
+            same_ids = _covered_ids(ids_a, scale, end) == _covered_ids(ids_b, scale, end)
+            assert (hashes_a[k] == hashes_b[k]) == same_ids, (scale, ids_a, ids_b, k)
+
+
+def test_fast25_at_a_scale_not_dividing_512(tmp_path: Path) -> None:
+    path = _write(tmp_path, [_line(input_length=1000, hash_ids=[7, 8]),
+                             _line(input_length=600, hash_ids=[7, 9])])
+    first, second = fast25(path, scale=3)
+    assert len(first.prompt) == 333 and len(second.prompt) == 200
+    # Tokens 0..169 cover only original block 0 (positions < 512): shared.
+    assert first.prompt[:170] == second.prompt[:170]
+    assert first.prompt[170] != second.prompt[170]  # positions 510..512 cover block 1
+    assert main(["sim", "--workload", "fast25", "--fast25-path", str(path), "--scale", "3",
+                 "--requests", "2", "--faults", "none"]) == 0
+
+
+# ---------------------------------------------------------------------------
+# 2. Admission, rejected requests, who stalled.
+
+
+def _oversized_trace(tmp_path: Path) -> Path:
+    """A 40k-token prompt among ordinary ones (at scale 32: 1,250 tokens, 313
+    blocks of 4, in a 160-block pool)."""
+    lines = [_line(timestamp=t * 100, input_length=1800 + 40 * t, output_length=64,
+                   hash_ids=[0, 100 + t, 200 + t, 300 + t]) for t in range(6)]
+    lines.insert(2, _line(timestamp=150, input_length=40_000, output_length=300,
+                          hash_ids=list(range(1000, 1079))))
+    return _write(tmp_path, lines)
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_rejected_not_blamed_on_the_protocol(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _oversized_trace(tmp_path)
+    options = SimOptions(workload="fast25", fast25_path=str(path), requests=7, seed=3)
+    result = simulate(options)
+    assert result.ok, result.findings
+    assert result.figures["rejected"] == 1
+    assert result.figures["liveness_stall"] == "none"
+    assert main(["sim", "--workload", "fast25", "--fast25-path", str(path), "--requests", "7",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["figures"]["rejected"] == 1
+    assert main(["sim", "--workload", "fast25", "--fast25-path", str(path), "--requests", "7"]) == 0
+    assert "requests rejected at admission" in capsys.readouterr().out
+
+
+def test_max_model_len_refuses_prompt_plus_max_tokens(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path = _oversized_trace(tmp_path)
+    base = SimOptions(workload="fast25", fast25_path=str(path), requests=7, faults=())
+    # At scale 32 the ordinary requests need 56..62 prompt + 2 output tokens: 60 keeps 3.
+    result = simulate(attrs.evolve(base, max_model_len=60))
+    assert result.ok and result.figures["rejected"] == 4
+    assert simulate(attrs.evolve(base, max_model_len=10)).figures["rejected"] == 7
+    # vLLM refuses to start when the cache cannot hold one max-length request.
+    assert main(["sim", "--max-model-len", "100000"]) == 2
+    assert "--max-model-len=100000: the KV cache holds 640 tokens" in capsys.readouterr().err
+
+
+def test_a_liveness_failure_says_the_environment_stalled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without admission (the old engine model) the oversized prompt never
+    runs: the run is not settled, and the report blames the engine model, not
+    the protocol."""
+    monkeypatch.setattr(SimEngine, "refusal", lambda self, prompt, max_new: None)
+    path = _oversized_trace(tmp_path)
+    result = simulate(SimOptions(workload="fast25", fast25_path=str(path), requests=7,
+                                 faults=(), settle_time=2.0))
+    assert not result.ok
+    assert result.figures["liveness_stall"] == "environment"
+    assert "engine model stalled" in result.figures["liveness_detail"]
+
+
+def test_traces_record_the_new_options_and_minimize_reads_them_back(tmp_path: Path) -> None:
+    from sim.minimize import options_from_trace
+
+    path = _oversized_trace(tmp_path)
+    options = SimOptions(workload="fast25", fast25_path=str(path), requests=3, scale=1000,
+                         faults=(), max_model_len=0)
+    out = tmp_path / "run.jsonl"
+    with out.open("w") as handle:
+        simulate(options, trace=handle)
+    assert options_from_trace(out) == options
