@@ -336,7 +336,7 @@ class Monitor:
         field is unknown, never read as its empty default."""
         self.index += 1
         kind = type(obs)
-        self.quiescent = kind is Quiescent
+        self.quiescent = False  # _on_Quiescent sets it
         self.absent = absent
         try:
             handler = self._handlers[kind]
@@ -775,6 +775,8 @@ class Monitor:
                 self.skip("S17", hasher.reason)
                 return
             parent = gen.hashes[index - config.hashes_per_block] if index >= config.hashes_per_block else None
+            if parent is not None and type(parent) is not bytes:
+                parent = bytes(parent)  # a trace reader's bytes subclass: hash plain bytes
             try:
                 digest_now, certain = hasher.digest(parent, ids, config.hash_block)
             except ValueError as exc:
@@ -874,6 +876,7 @@ class Monitor:
                       f"{obs.req_id!r} and did not report them")
 
     def _on_Quiescent(self, obs: Quiescent) -> None:
+        self.quiescent = True
         if obs.pinned_blocks or self.pinned:
             self.fail("S6", f"at quiescence {len(self.pinned)} blocks are still pinned and "
                       f"{obs.pinned_blocks} still referenced")

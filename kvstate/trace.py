@@ -487,23 +487,37 @@ def _check_limits(config: Any, where: str, path: str) -> None:
                          f"must be finite, got {config.pressure_backoff}")
 
 
-def iter_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
-    """(line number, text) pairs, streaming; a last line without its newline is
-    a truncated write and is refused."""
+def iter_raw_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) pairs, streaming, blank lines included; a line
+    longer than ``MAX_LINE_BYTES`` or a last line without its newline (a
+    truncated write) is refused."""
     number = 0
+    readline = stream.readline
+    limit = MAX_LINE_BYTES + 1
     while True:
-        raw = stream.readline(MAX_LINE_BYTES + 1)
+        raw = readline(limit)
         if not raw:
             return
         number += 1
         if len(raw) > MAX_LINE_BYTES:
             raise TraceError(f"{name}:{number}", "", f"line longer than {MAX_LINE_BYTES} bytes")
-        if not raw.endswith(b"\n"):
+        if raw[-1:] != b"\n":
             raise TraceError(f"{name}:{number}", "", "truncated last line (no newline)")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise TraceError(f"{name}:{number}", "", f"not UTF-8 ({exc.reason})") from None
+        yield number, raw
+
+
+def line_text(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceError(where, "", f"not UTF-8 ({exc.reason})") from None
+
+
+def iter_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) pairs of the non-blank lines, streaming (see
+    ``iter_raw_lines``)."""
+    for number, raw in iter_raw_lines(stream, name):
+        text = line_text(raw, f"{name}:{number}")
         if text.strip():
             yield number, text
 
@@ -591,17 +605,18 @@ class _Validator:
         self.time = -math.inf
         self.steps = [-(1 << 63)] * len(configs)
         self.jobs = [_JobIds() for _ in configs]
-        self.checks: dict[type, Callable[[str, int, Any], None]] = {
-            _observations.JobStarted: self._ranked_job,
-            _observations.StateWritten: self._ranked_job,
-            _observations.ExistsAnswered: self._ranked_job,
-            _observations.StoreCallRaised: self._ranked_job,
-            _observations.PutDone: self._put,
-            _observations.JobFinished: self._finished,
-            _observations.LoadDone: self._ranked,
-            _observations.ReportDelivered: self._report,
-            _observations.Planned: self._planned,
-            _observations.Settled: self._settled,
+        # By type name: the fast path's structs share the records' names.
+        self.checks: dict[str, Callable[[str, int, Any], None]] = {
+            "JobStarted": self._ranked_job,
+            "StateWritten": self._ranked_job,
+            "ExistsAnswered": self._ranked_job,
+            "StoreCallRaised": self._ranked_job,
+            "PutDone": self._put,
+            "JobFinished": self._finished,
+            "LoadDone": self._ranked,
+            "ReportDelivered": self._report,
+            "Planned": self._planned,
+            "Settled": self._settled,
         }
 
     def line(self, where: str, index: int, engine: int, when: float, obs: Any) -> None:
@@ -613,7 +628,7 @@ class _Validator:
             raise TraceError(where, "t", f"time {when} after time {self.time}: time must "
                              "not run backwards")
         self.time = when
-        check = self.checks.get(type(obs))
+        check = self.checks.get(type(obs).__name__)
         if check is not None:
             check(where, engine, obs)
 
@@ -689,39 +704,217 @@ class _Validator:
         self._events(where, engine, settlement.published, "settlement.published")
 
 
+# --------------------------------------------------------------------------
+# The fast path: typed decoding in C (msgspec, optional).
+#
+# ``kvstate check`` spends most of its time turning JSON into checked records.
+# With msgspec installed, every observation type is mirrored as a msgspec
+# ``Struct`` built from the same registry (same names, fields, defaults), and
+# one typed decoder parses and checks a line in C: types, required and unknown
+# fields, record tags, list shapes. What it cannot express is kept exact:
+# ``{"@hex": ...}`` goes through ``bytes.fromhex`` in a hook, a nested record
+# must carry its ``"@"`` tag (a union with a never-matching twin makes msgspec
+# require it), time must be finite, and any line msgspec refuses is decoded
+# again by the checked Python decoder above, which raises the precise
+# ``TraceError`` (file:line:field:value) or — where msgspec is stricter than
+# the format (an integer beyond 64 bits, 1e999) — accepts it. So the fast path
+# accepts exactly what the checked decoder accepts. Its records are structs
+# shaped like the attrs records (same field names and values; hashes are a
+# ``bytes`` subclass, enum values a small struct), so only readers that read
+# fields (the monitors) take them: ``TraceReader(path, fast=True)``.
+# Measured (`kvstate bench check`): see README "Measured".
+
+try:
+    import msgspec as _msgspec
+except ImportError:  # pragma: no cover - exercised where msgspec is absent
+    _msgspec = None  # type: ignore[assignment]
+
+
+class _Hex(bytes):
+    """A block hash decoded on the fast path (``bytes`` in all but name)."""
+
+    __slots__ = ()
+
+
+class _Impossible:
+    """The field type of a never-matching twin: its hook always refuses."""
+
+
+def _fast_hook(kind: Any, value: Any) -> Any:
+    if kind is _Hex and type(value) is dict and len(value) == 1:
+        text = value.get("@hex")
+        if type(text) is str:
+            return _Hex.fromhex(text)  # ValueError: not hex, refused like the slow path
+    raise ValueError(f"not a {getattr(kind, '__name__', kind)}")
+
+
+class _FastCodec:
+    """Structs mirroring the registry and one typed decoder over all
+    observation types (tagged by ``"type"``)."""
+
+    def __init__(self) -> None:
+        ms = _msgspec
+        assert ms is not None
+        self.structs: dict[Any, Any] = {}
+        self.defaults: dict[str, tuple[str | None, dict[str, Any]]] = {}
+        # Records holding annotations (a Plan, a Settlement): those fields
+        # decode to UNSET when left out, so ``fill`` can tell.
+        self.unset: dict[Any, tuple[str, ...]] = {
+            attrs.fields_dict(OBSERVATIONS[kind])[holder].type: names
+            for kind, (holder, names) in ANNOTATIONS.items() if holder is not None}
+        lines = []
+        for name, cls in sorted(OBSERVATIONS.items()):
+            holder, names = ANNOTATIONS.get(name, (None, ()))
+            fields: list[tuple[Any, ...]] = [("i", int), ("e", int), ("t", float)]
+            for f in attrs.fields(cls):
+                unset = holder is None and f.name in names
+                fields.append(self._field(f, unset))
+            lines.append(ms.defstruct(name, fields, tag_field="type", tag=name,
+                                      forbid_unknown_fields=True, kw_only=True))
+            if name in ANNOTATIONS:
+                record: Any = attrs.fields_dict(cls)[holder].type if holder else cls
+                self.defaults[name] = (holder, {
+                    f.name: f.default for f in attrs.fields(record) if f.name in names})
+        self.decoder = ms.json.Decoder(typing.Union[tuple(lines)],  # noqa: UP007 - built
+                                       dec_hook=_fast_hook)
+
+    def _field(self, f: Any, unset: bool) -> tuple[Any, ...]:
+        kind = self._type(f.type)
+        if unset:
+            return (f.name, typing.Union[kind, _msgspec.UnsetType],  # noqa: UP007
+                    _msgspec.UNSET)
+        if f.default is attrs.NOTHING:
+            return (f.name, kind)
+        return (f.name, kind, f.default)
+
+    def _type(self, annotation: Any) -> Any:
+        origin = typing.get_origin(annotation)
+        args = typing.get_args(annotation)
+        if origin in (typing.Union, types.UnionType):
+            return typing.Union[tuple(self._type(a) for a in args)]  # noqa: UP007
+        if origin is tuple:
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple[self._type(args[0]), ...]  # type: ignore[misc]
+            return tuple[tuple(self._type(a) for a in args)]  # type: ignore[misc]
+        if annotation is bytes:
+            return _Hex
+        if annotation in (int, str, float, bool, type(None)):
+            return annotation
+        if isinstance(annotation, type) and (attrs.has(annotation)
+                                             or issubclass(annotation, enum.Enum)):
+            found = self.structs.get(annotation)
+            if found is None:
+                found = self.structs[annotation] = self._record(annotation)
+            return found
+        raise TypeError(f"no fast decoding for {_type_name(annotation)}")
+
+    def _record(self, cls: type) -> Any:
+        ms = _msgspec
+        assert ms is not None
+        if issubclass(cls, enum.Enum):
+            values = tuple(m.value for m in cls)
+            struct = ms.defstruct(cls.__name__, [("value", typing.Literal[values])],
+                                  tag_field="@enum", tag=cls.__name__,
+                                  forbid_unknown_fields=True)
+            tag = "@enum"
+        else:
+            unset = self.unset.get(cls, ())
+            fields = attrs.fields(cls)  # type: ignore[arg-type]
+            struct = ms.defstruct(cls.__name__,
+                                  [self._field(f, f.name in unset) for f in fields],
+                                  tag_field="@", tag=cls.__name__,
+                                  forbid_unknown_fields=True, kw_only=True)
+            tag = "@"
+        # A tagged struct alone accepts a missing tag; in a union it is required.
+        twin = ms.defstruct(f"{cls.__name__}Twin", [("never", _Impossible)], tag_field=tag,
+                            tag=f"\x00{cls.__name__}", forbid_unknown_fields=True)
+        return typing.Union[struct, twin]  # noqa: UP007
+
+    def fill(self, kind: str, obs: Any) -> frozenset[str]:
+        """Replace the annotations a line left out by their defaults; their names."""
+        holder, defaults = self.defaults[kind]
+        record = obs if holder is None else getattr(obs, holder)
+        missing = []
+        unset = _msgspec.UNSET
+        for name, default in defaults.items():
+            if getattr(record, name) is unset:
+                setattr(record, name, default)
+                missing.append(name)
+        return frozenset(missing) if missing else NO_ABSENT
+
+
+_FAST: list[_FastCodec | None] = []
+
+
+def fast_codec() -> _FastCodec | None:
+    """The fast decoder, built once; ``None`` without msgspec."""
+    if not _FAST:
+        _FAST.append(_FastCodec() if _msgspec is not None else None)
+    return _FAST[0]
+
+
 class TraceReader:
     """Open a trace for streaming: ``header`` is read and checked at once;
     iterate for ``(line number, engine, time, observation)``, each line
     checked for order, identity and range first (``_Validator``). A context
-    manager."""
+    manager. ``fast``: decode with the fast path where msgspec is installed
+    (`fast_codec`); observations are then structs shaped like the records,
+    for readers that only read their fields (the monitors)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, fast: bool = False) -> None:
         self.name = str(path)
         self._handle: IO[bytes] = open_trace_file(path)
-        self._lines = iter_lines(self._handle, self.name)
+        self._lines = iter_raw_lines(self._handle, self.name)
         try:
-            first = next(self._lines, None)
-            if first is None:
+            for number, raw in self._lines:
+                text = line_text(raw, f"{self.name}:{number}")
+                if text.strip():
+                    break
+            else:
                 raise TraceError(f"{self.name}:1", "", "empty trace (no header)")
-            self.last_line = first[0]
-            self.header = read_header(first[1], f"{self.name}:{first[0]}")
+            self.last_line = number
+            self.header = read_header(text, f"{self.name}:{number}")
         except TraceError:
             self.close()
             raise
         self.engines = len(self.header["configs"])
+        self.fast = fast_codec() if fast else None
         # The annotation fields the latest line left out (`ANNOTATIONS`).
         self.absent: frozenset[str] = NO_ABSENT
 
     def __iter__(self) -> Iterator[tuple[int, int, float, Any]]:
         validator = _Validator(self.header["configs"])
-        for number, text in self._lines:
+        codec = self.fast
+        decode = codec.decoder.decode if codec is not None else None
+        annotated = frozenset(codec.defaults) if codec is not None else frozenset()
+        fill = codec.fill if codec is not None else None
+        engines = self.engines
+        check_line = validator.line
+        name = self.name
+        for number, raw in self._lines:
             self.last_line = number
-            where = f"{self.name}:{number}"
-            index, engine, when, obs, self.absent = decode_line_absent(text, where)
-            if not 0 <= engine < self.engines:
+            where = f"{name}:{number}"
+            obs = None
+            if decode is not None:
+                try:
+                    obs = decode(raw)
+                except Exception:  # refused: the checked decoder says why (or accepts)
+                    obs = None
+            if obs is None:
+                text = line_text(raw, where)
+                if not text.strip():
+                    continue
+                index, engine, when, obs, self.absent = decode_line_absent(text, where)
+            else:
+                index, engine, when = obs.i, obs.e, obs.t
+                kind = type(obs).__name__
+                self.absent = fill(kind, obs) if kind in annotated else NO_ABSENT  # type: ignore[misc]
+                if not math.isfinite(when):
+                    raise TraceError(where, "t", f"time must be finite, got {when!r}")
+            if not 0 <= engine < engines:
                 raise TraceError(where, "e",
-                                 f"engine {engine} but the header configures {self.engines}")
-            validator.line(where, index, engine, when, obs)
+                                 f"engine {engine} but the header configures {engines}")
+            check_line(where, index, engine, when, obs)
             yield number, engine, when, obs
 
     def close(self) -> None:

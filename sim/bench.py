@@ -349,6 +349,84 @@ def bench_sim(requests: int = 400, check_lines: bool = True) -> dict[str, Any]:
     return figures
 
 
+def _parse_rate(lines: Sequence[bytes], parse: Any, repeats: int) -> float:
+    """Lines per second of ``parse`` over ``lines`` (best of ``repeats``)."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for line in lines:
+            parse(line)
+        best = min(best, time.perf_counter() - started)
+    return len(lines) / best
+
+
+def bench_check(requests: int = 400, path: str | None = None, repeats: int = 3) -> dict[str, Any]:
+    """``kvstate check`` against bare parsing, on the same lines in the same
+    process: ``json.loads``, orjson and msgspec (untyped) where installed,
+    msgspec typed into the trace's structs (the fast path's own decode, where
+    msgspec is installed), and the full check (best of ``repeats`` each). The
+    trace is the default simulation's (``requests``) unless ``path`` names one."""
+    import gc
+    import json
+    import os
+    import tempfile
+
+    from kvstate.trace import fast_codec
+    from sim.check import check_trace
+    from sim.runner import SimOptions, simulate
+
+    own = path is None
+    if path is None:
+        fd, path = tempfile.mkstemp(suffix=".jsonl")
+        os.close(fd)
+        with open(path, "w") as out:
+            simulate(SimOptions(requests=requests), trace=out)
+    try:
+        with open(path, "rb") as handle:
+            lines = handle.read().splitlines()[1:]
+        parsers: dict[str, Any] = {"json.loads": json.loads}
+        try:
+            import orjson
+
+            parsers["orjson.loads"] = orjson.loads
+        except ImportError:
+            pass
+        try:
+            import msgspec
+
+            parsers["msgspec untyped"] = msgspec.json.Decoder().decode
+        except ImportError:
+            pass
+        codec = fast_codec()
+        if codec is not None:
+            parsers["msgspec typed (check's decode)"] = codec.decoder.decode
+        figures: dict[str, Any] = {"lines": len(lines), "trace_bytes": os.path.getsize(path)}
+        rates = {}
+        gc.collect()
+        for name, parse in parsers.items():
+            rates[name] = _parse_rate(lines, parse, repeats)
+        best_check = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            result = check_trace(path)
+            best_check = min(best_check, time.perf_counter() - started)
+        figures["check_ok"] = result.ok
+        figures["fast_decoder"] = codec is not None
+        check_rate = result.lines / best_check
+        bare = {name: rate for name, rate in rates.items() if not name.startswith("msgspec typed")}
+        fastest = max(bare, key=lambda n: bare[n])
+        for name, rate in rates.items():
+            figures[f"{name} lines/s"] = round(rate)
+        figures["kvstate check lines/s"] = round(check_rate)
+        figures["fastest bare parse"] = fastest
+        figures["ratio check / json.loads"] = round(check_rate / rates["json.loads"], 3)
+        figures["ratio check / fastest bare parse"] = round(check_rate / bare[fastest], 3)
+        return figures
+    finally:
+        if own:
+            os.unlink(path)
+
+
 def bench_memory(counts: Sequence[int] = (10_000, 100_000), scale: int = 512) -> dict[str, Any]:
     """Peak resident memory of FAST'25 runs of increasing size, each in a
     fresh process (faults and events off: the size of the run, not of the

@@ -42,7 +42,7 @@ def check_trace(path: str | Path, stop_at_first: bool = False,
     """Check a trace; at its end, judge liveness (`Monitor.finish`) with
     ``liveness_steps`` (default: the header's ``liveness_steps``, else
     ``DEFAULT_LIVENESS_STEPS``) unless it stopped at a first finding."""
-    with TraceReader(path) as reader:
+    with TraceReader(path, fast=True) as reader:
         header = reader.header
         bound = liveness_steps or header.get("liveness_steps") or DEFAULT_LIVENESS_STEPS
         shared: set[str] = set()

@@ -298,6 +298,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.json:
             print("model checker, kvstate:")
             print(_table([[k, str(v)] for k, v in report["modelcheck"].items()]))
+    if "check" in parts:
+        from sim.bench import bench_check
+
+        report["check"] = bench_check(requests=80 if args.quick else 400)
+        if not args.json:
+            print("trace check against bare parsing (same lines, same process, best of 3):")
+            print(_table([[k, str(v)] for k, v in report["check"].items()]))
     if "hypothesis" in parts:
         from sim.bench import bench_hypothesis
 
@@ -871,7 +878,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
     bench.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants",
-                                                   "tools", "modelcheck", "hypothesis"),
+                                                   "tools", "modelcheck", "hypothesis", "check"),
                        help="what to measure (default: core sim)")
     bench.add_argument("--tool-protocol", type=_protocol, action="append",
                        help="for 'tools': only these variants (repeatable; default: all)")

@@ -924,3 +924,91 @@ def test_a_report_from_a_rank_outside_the_world_is_s4_in_the_monitor() -> None:
     monitor = Monitor(ConnectorConfig(block_size=BS, world_size=2))
     monitor.observe(ReportDelivered(Report(1, 7, "a", 1, JobState.STORED, 0)))
     assert monitor.fired() == {"S4"} and "rank 7" in monitor.findings[0].message
+
+
+# --------------------------------------------------------------------------
+# Speed without loss: the fast decoder (msgspec, where installed) accepts what
+# the checked decoder accepts and yields the same values; what it refuses the
+# checked decoder judges (the reader falls back line by line).
+
+
+def _plain(value: Any) -> Any:
+    import enum
+
+    import attrs
+
+    kind = type(value)
+    if attrs.has(kind):
+        return (kind.__name__, {f.name: _plain(getattr(value, f.name))
+                                for f in attrs.fields(kind)})
+    if isinstance(value, enum.Enum):
+        return ("enum", kind.__name__, value.value)
+    fields = getattr(kind, "__struct_fields__", None)
+    if fields is not None:
+        if fields == ("value",):
+            return ("enum", kind.__name__, value.value)
+        return (kind.__name__, {f: _plain(getattr(value, f)) for f in fields
+                                if f not in ("i", "e", "t")})
+    if isinstance(value, bytes):
+        return bytes(value)
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return (kind.__name__, value)
+
+
+@st.composite
+def _observation_lines(draw: st.DrawFn) -> str:
+    line: dict[str, Any] = {"i": 0, "e": 0, "t": 1.0, **draw(_valid_observation())}
+    for _ in range(draw(st.integers(0, 2))):
+        paths = [p for p in _paths(line) if p]
+        where = draw(st.sampled_from(paths))
+        parent: Any = line
+        for part in where[:-1]:
+            parent = parent[part]
+        if draw(st.booleans()):
+            parent[where[-1]] = draw(_json_values())
+        elif isinstance(parent, dict):
+            del parent[where[-1]]
+        else:
+            parent.pop(where[-1])
+    return json.dumps(line)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("msgspec") is None, reason="msgspec not installed")
+@settings(max_examples=400, deadline=None)
+@given(text=_observation_lines())
+def test_the_fast_decoder_accepts_only_what_the_checked_decoder_accepts(text: str) -> None:
+    from kvstate.trace import TraceError, decode_line_absent, fast_codec
+
+    codec = fast_codec()
+    assert codec is not None
+    try:
+        fast = codec.decoder.decode(text.encode())
+    except Exception:
+        return  # refused: the reader decodes the line again with the checked decoder
+    kind = type(fast).__name__
+    absent = codec.fill(kind, fast) if kind in codec.defaults else frozenset()
+    try:
+        index, engine, when, obs, slow_absent = decode_line_absent(text, "t:2")
+    except TraceError as exc:
+        raise AssertionError(f"fast path accepted what the checked decoder refuses: {exc}") \
+            from None
+    assert (fast.i, fast.e, fast.t) == (index, engine, when)
+    assert _plain(fast) == _plain(obs)
+    assert absent == slow_absent
+
+
+def test_check_reads_the_same_with_and_without_the_fast_decoder(tmp_path: Path, capsys,
+                                                                 monkeypatch) -> None:
+    from kvstate import trace
+
+    lines = fixture(idle_steps=3)
+    del lines[line_of(lines, "Settled")]["settlement"]["published_by"]
+    lines.append({"i": 10 ** 30, "e": 0, "t": 1e300, "type": "KeyEvicted", "key": "k"})
+    path = write(tmp_path / "t.jsonl", lines)
+    fast = run(capsys, "check", str(path))
+    monkeypatch.setattr(trace, "_FAST", [None])
+    slow = run(capsys, "check", str(path))
+    assert fast[0] == slow[0] == 0
+    for key in ("violations", "notes", "observations"):
+        assert fast[1][key] == slow[1][key]
