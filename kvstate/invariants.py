@@ -297,6 +297,13 @@ class Monitor:
             (r, g): key_prefix(config, r, g)
             for r in range(config.world_size) for g in range(len(config.groups))
         }
+        # K1's expected tag of a key with a prefix above, after its digest.
+        self._tag_suffixes = {
+            where: (tag[2:] if (tag := expected_content(prefix + "@00")) is not None else None)
+            for where, prefix in self._prefixes.items()
+        }
+        self._hashes_per_block = config.hashes_per_block  # properties, read per event
+        self._hash_block = config.hash_block
 
     def __getstate__(self) -> dict[str, Any]:
         # The handler cache holds bound methods; a copy rebuilds it lazily.
@@ -693,17 +700,25 @@ class Monitor:
         if self.pinned.get(obs.block_id, 0) <= 0:
             self.fail("S2", f"rank {obs.rank} job {obs.job_id} read block {obs.block_id}, "
                       "which no pin holds")
-        if gen is not None and (obs.chunk_id + 1) * config.hashes_per_block <= len(gen.hashes):
-            digest = chunk_hash(gen.hashes, obs.chunk_id, config.hashes_per_block)
-            expected = f"{self._prefixes[(obs.rank, obs.group)]}@{digest.hex()}"
+        expected_tag = None
+        hpb = self._hashes_per_block
+        if gen is not None and (obs.chunk_id + 1) * hpb <= len(gen.hashes):
+            digest = chunk_hash(gen.hashes, obs.chunk_id, hpb).hex()
+            where = (obs.rank, obs.group)
+            expected = f"{self._prefixes[where]}@{digest}"
             if obs.key != expected:
                 self.fail("S8", f"rank {obs.rank} put chunk {obs.chunk_id} of {gen_key} under "
                           f"{obs.key!r}, expected {expected!r}")
+            elif obs.accepted and obs.content:
+                # The key is the one S8 expects: its tag needs no parsing.
+                suffix = self._tag_suffixes[where]
+                expected_tag = digest + suffix if suffix is not None else None
         if obs.accepted:
             if not obs.content:
                 self.skip("K1", "content not observed (\"\")")
             else:
-                expected_tag = expected_content(obs.key)
+                if expected_tag is None:
+                    expected_tag = expected_content(obs.key)
                 if expected_tag is None:
                     self.skip("K1", "key not in kvstate's key format")
                 elif obs.content != expected_tag:
@@ -759,7 +774,8 @@ class Monitor:
             self.fail("S15", f"rank {obs.rank} announced {digest.hex()}, not in the hash chain "
                       f"of {(obs.req_id, obs.generation)}")
             return
-        expected = gen.hashes[index - config.hashes_per_block] if index >= config.hashes_per_block else None
+        hpb = self._hashes_per_block
+        expected = gen.hashes[index - hpb] if index >= hpb else None
         if event.parent_block_hash != expected:
             self.fail("S15", f"rank {obs.rank} announced {digest.hex()} with parent "
                       f"{event.parent_block_hash.hex() if event.parent_block_hash else None}, "
@@ -774,11 +790,11 @@ class Monitor:
             if hasher.reason:
                 self.skip("S17", hasher.reason)
                 return
-            parent = gen.hashes[index - config.hashes_per_block] if index >= config.hashes_per_block else None
+            parent = expected
             if parent is not None and type(parent) is not bytes:
                 parent = bytes(parent)  # a trace reader's bytes subclass: hash plain bytes
             try:
-                digest_now, certain = hasher.digest(parent, ids, config.hash_block)
+                digest_now, certain = hasher.digest(parent, ids, self._hash_block)
             except ValueError as exc:
                 self.fail("S17", f"rank {obs.rank} announced {digest.hex()} with token ids "
                           f"the {hasher.name} hash cannot take ({exc})")

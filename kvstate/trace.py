@@ -618,6 +618,8 @@ class _Validator:
             "Planned": self._planned,
             "Settled": self._settled,
         }
+        self._by_type: dict[type, Callable[[str, int, Any], None] | None] = {}
+        self.sizes = [c.world_size for c in configs]
 
     def line(self, where: str, index: int, engine: int, when: float, obs: Any) -> None:
         if index <= self.index:
@@ -628,7 +630,11 @@ class _Validator:
             raise TraceError(where, "t", f"time {when} after time {self.time}: time must "
                              "not run backwards")
         self.time = when
-        check = self.checks.get(type(obs).__name__)
+        kind = type(obs)
+        try:
+            check = self._by_type[kind]
+        except KeyError:
+            check = self._by_type[kind] = self.checks.get(kind.__name__)
         if check is not None:
             check(where, engine, obs)
 
@@ -660,8 +666,15 @@ class _Validator:
         self._rank(where, engine, obs.rank)
 
     def _ranked_job(self, where: str, engine: int, obs: Any) -> None:
-        self._rank(where, engine, obs.rank)
-        self._job(where, engine, obs.job_id)
+        # The common case inline (this runs for most lines): a rank in range,
+        # a job in the latest range of emitted ids.
+        rank, job_id = obs.rank, obs.job_id
+        if not 0 <= rank < self.sizes[engine]:
+            self._rank(where, engine, rank)
+        jobs = self.jobs[engine]
+        hi = jobs.hi
+        if not (hi and jobs.lo[-1] <= job_id <= hi[-1]):
+            self._job(where, engine, job_id)
 
     def _put(self, where: str, engine: int, obs: Any) -> None:
         self._ranked_job(where, engine, obs)
@@ -770,7 +783,7 @@ class _FastCodec:
                 unset = holder is None and f.name in names
                 fields.append(self._field(f, unset))
             lines.append(ms.defstruct(name, fields, tag_field="type", tag=name,
-                                      forbid_unknown_fields=True, kw_only=True))
+                                      forbid_unknown_fields=True, gc=False, kw_only=True))
             if name in ANNOTATIONS:
                 record: Any = attrs.fields_dict(cls)[holder].type if holder else cls
                 self.defaults[name] = (holder, {
@@ -815,7 +828,7 @@ class _FastCodec:
             values = tuple(m.value for m in cls)
             struct = ms.defstruct(cls.__name__, [("value", typing.Literal[values])],
                                   tag_field="@enum", tag=cls.__name__,
-                                  forbid_unknown_fields=True)
+                                  forbid_unknown_fields=True, gc=False)
             tag = "@enum"
         else:
             unset = self.unset.get(cls, ())
@@ -823,11 +836,11 @@ class _FastCodec:
             struct = ms.defstruct(cls.__name__,
                                   [self._field(f, f.name in unset) for f in fields],
                                   tag_field="@", tag=cls.__name__,
-                                  forbid_unknown_fields=True, kw_only=True)
+                                  forbid_unknown_fields=True, gc=False, kw_only=True)
             tag = "@"
         # A tagged struct alone accepts a missing tag; in a union it is required.
         twin = ms.defstruct(f"{cls.__name__}Twin", [("never", _Impossible)], tag_field=tag,
-                            tag=f"\x00{cls.__name__}", forbid_unknown_fields=True)
+                            tag=f"\x00{cls.__name__}", forbid_unknown_fields=True, gc=False)
         return typing.Union[struct, twin]  # noqa: UP007
 
     def fill(self, kind: str, obs: Any) -> frozenset[str]:
@@ -906,11 +919,11 @@ class TraceReader:
                     continue
                 index, engine, when, obs, self.absent = decode_line_absent(text, where)
             else:
+                # msgspec refuses numbers beyond a float's range (no inf, no
+                # NaN: JSON has neither), so ``t`` is finite here.
                 index, engine, when = obs.i, obs.e, obs.t
                 kind = type(obs).__name__
                 self.absent = fill(kind, obs) if kind in annotated else NO_ABSENT  # type: ignore[misc]
-                if not math.isfinite(when):
-                    raise TraceError(where, "t", f"time must be finite, got {when!r}")
             if not 0 <= engine < engines:
                 raise TraceError(where, "e",
                                  f"engine {engine} but the header configures {engines}")
