@@ -1012,3 +1012,12 @@ def test_check_reads_the_same_with_and_without_the_fast_decoder(tmp_path: Path, 
     assert fast[0] == slow[0] == 0
     for key in ("violations", "notes", "observations"):
         assert fast[1][key] == slow[1][key]
+
+
+def test_bench_check_reports_every_parser_and_the_ratios(tmp_path: Path) -> None:
+    from sim.bench import bench_check
+
+    figures = bench_check(path=str(write(tmp_path / "t.jsonl", fixture())), repeats=1)
+    assert figures["check_ok"] and figures["lines"] == len(fixture()) - 1
+    assert figures["json.loads lines/s"] > 0 and figures["kvstate check lines/s"] > 0
+    assert figures["ratio check / fastest bare parse"] > 0
