@@ -11,7 +11,9 @@ publishes a chunk another namespace never stored (S16). Events that never reach
 the quorum stay in its counter forever (REFERENCE.md §11: 101 entries after 100
 steps). ``OrderedQuorum`` counts distinct ranks per generation, publishes in
 chain order, and drops a generation's pending events once it has ended and its
-last job was released — from then on no rank can report them.
+last job was released — from then on no rank can report them. A resumed
+generation does not re-publish what an earlier generation of the same request
+already published (``OrderedQuorum``, "Re-announcements").
 """
 
 from __future__ import annotations
@@ -47,14 +49,27 @@ class EventQuorum(Protocol):
     def pending(self) -> int:
         """Events waiting for the quorum."""
 
+    def request_finished(self, req_id: str) -> None:
+        """The request finished: forget what its generations published."""
+
 
 class _GenerationEvents:
-    __slots__ = ("ranks", "waiting", "published")
+    __slots__ = ("ranks", "waiting", "published", "earlier")
 
-    def __init__(self) -> None:
+    def __init__(self, earlier: _RequestEvents) -> None:
         self.ranks: dict[BlockStored, set[int]] = {}
         self.waiting: dict[bytes, list[BlockStored]] = {}
         self.published: set[bytes] = set()
+        self.earlier = earlier
+
+
+class _RequestEvents:
+    """What a request's generations published: (group, hash) pairs."""
+
+    __slots__ = ("published",)
+
+    def __init__(self) -> None:
+        self.published: set[tuple[int, bytes]] = set()
 
 
 class OrderedQuorum:
@@ -69,9 +84,25 @@ class OrderedQuorum:
     rejects orphans (Dynamo's radix router) never sees one — even with TP
     striding, where different ranks announce neighbouring chunks (K4).
     Sliding-window groups skip the hold: their chains are sparse by design.
+
+    Re-announcements: every generation announces its chain from its first
+    chunk, so each resumption after a preemption used to re-publish the whole
+    prefix (issue 10: a million duplicates for 400 requests under preemption
+    storms). A chunk of a full-attention group that an earlier generation of
+    the same request published is now counted as published for the new
+    generation — its children are released behind it, in chain order — but
+    not published again; the chain needs no second copy, since the consumer
+    already holds it. What a request's generations published is kept until
+    the request has no live generation (``request_finished``, called by the
+    planner when a request finishes and when a generation settles after it):
+    bounded by the live requests' chains. The one case it cannot see is a chunk evicted from the store
+    between two generations and put again: the consumer may have forgotten
+    it (the monitor's K4 tolerates that for the last ``EVICTED_MEMORY``
+    evictions); telling it apart needs the rank to report which chunks it put
+    rather than found present.
     """
 
-    __slots__ = ("quorum", "ordered_groups", "_gens")
+    __slots__ = ("quorum", "ordered_groups", "_gens", "_requests", "suppressed")
 
     def __init__(self, config: Any) -> None:
         self.quorum: int = config.quorum
@@ -79,12 +110,19 @@ class OrderedQuorum:
             i for i, g in enumerate(config.groups) if g.kind.value == "full"
         )
         self._gens: dict[GenKey, _GenerationEvents] = {}
+        # req id -> what its generations published (until it finished and settled).
+        self._requests: dict[str, _RequestEvents] = {}
+        self.suppressed = 0  # re-announcements not published again
 
     def add(self, gen: GenKey, rank: int, events: tuple[BlockStored, ...]) -> list[BlockStored]:
         state = self._gens.get(gen)
         if state is None:
-            state = self._gens[gen] = _GenerationEvents()
+            request = self._requests.get(gen[0])
+            if request is None:
+                request = self._requests[gen[0]] = _RequestEvents()
+            state = self._gens[gen] = _GenerationEvents(request)
         out: list[BlockStored] = []
+        earlier = state.earlier.published
         for event in events:
             ranks = state.ranks.get(event)
             if ranks is None:
@@ -92,10 +130,11 @@ class OrderedQuorum:
             ranks.add(rank)
             if len(ranks) >= self.quorum:
                 del state.ranks[event]
-                self._release(state, event, out)
+                self._release(state, event, out, earlier)
         return out
 
-    def _release(self, state: _GenerationEvents, event: BlockStored, out: list[BlockStored]) -> None:
+    def _release(self, state: _GenerationEvents, event: BlockStored, out: list[BlockStored],
+                 earlier: set[tuple[int, bytes]]) -> None:
         parent = event.parent_block_hash
         if (parent is not None and event.group_idx in self.ordered_groups
                 and parent not in state.published):
@@ -105,9 +144,14 @@ class OrderedQuorum:
         while ready:
             ev = ready.pop()
             digest = ev.block_hashes[-1]
-            if digest in state.published and ev.group_idx in self.ordered_groups:
+            ordered = ev.group_idx in self.ordered_groups
+            if digest in state.published and ordered:
                 continue  # a duplicate announcement: consumers are idempotent, skip it
-            out.append(ev)
+            if ordered and (ev.group_idx, digest) in earlier:
+                self.suppressed += 1  # an earlier generation published it
+            else:
+                out.append(ev)
+                earlier.add((ev.group_idx, digest))
             state.published.add(digest)
             ready.extend(reversed(state.waiting.pop(digest, ())))
 
@@ -121,6 +165,14 @@ class OrderedQuorum:
         return sum(
             len(s.ranks) + sum(len(w) for w in s.waiting.values()) for s in self._gens.values()
         )
+
+    def request_finished(self, req_id: str) -> None:
+        # Generations still reporting keep their own reference to the record.
+        self._requests.pop(req_id, None)
+
+    def remembered(self) -> int:
+        """Requests whose published chunks are remembered."""
+        return len(self._requests)
 
 
 class ValueCountQuorum:
@@ -149,3 +201,6 @@ class ValueCountQuorum:
 
     def pending(self) -> int:
         return len(self._counts)
+
+    def request_finished(self, req_id: str) -> None:
+        return None

@@ -218,6 +218,7 @@ class Planner:
             tracker = self.trackers.pop(req_id, None)
             if tracker is None:
                 continue  # finished before the connector ever saw it (abort in queue)
+            self.quorum.request_finished(req_id)
             was_live = tracker.state is not RequestState.PREEMPTED
             tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.FINISH)
             self._loads_pending.pop(tracker.gen_key, None)
@@ -418,7 +419,10 @@ class Planner:
     def _settle_generation(self, tracker: Tracker, releases: list[int]) -> int:
         self.closing.pop(tracker.gen_key, None)
         self.variant.pins.on_drained(tracker, releases)
-        return self.quorum.generation_settled(tracker.gen_key)
+        dropped = self.quorum.generation_settled(tracker.gen_key)
+        if tracker.gen_key[0] not in self.trackers:
+            self.quorum.request_finished(tracker.gen_key[0])  # late reports may have recorded it
+        return dropped
 
     # ------------------------------------------------------------------
     # Reports.

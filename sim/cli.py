@@ -503,7 +503,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
             ["events published", str(f["events_published"])],
             ["events per stored chunk / duplicate ratio",
              f"{f['events_per_stored_chunk']} / {f['event_duplicate_ratio']} "
-             f"({f['events_duplicate']} duplicates, {f['chunks_stored']} chunks stored)"],
+             f"({f['events_duplicate']} duplicates, {f['events_republished']} at "
+             f"resumptions, {f['chunks_stored']} chunks stored)"],
             ["router: blocks / orphans rejected", f"{f['consumer_blocks']} / "
              f"{f['consumer_orphans_rejected']}"],
             ["router: mean prefix hit at arrival", f"{f['mean_prefix_hit_chunks']} chunks"],

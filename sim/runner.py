@@ -17,7 +17,9 @@ tokens over ``max_model_len``, or more than the KV cache holds) are counted in
 Event figures: ``events_per_stored_chunk`` is published ``BlockStored``
 events over distinct (group, chunk hash) pairs some rank stored;
 ``event_duplicate_ratio`` the share of published events announcing a
-(group, hash) an earlier event of the run already announced.
+(group, hash) an earlier event of the run already announced;
+``events_republished`` those a later generation of the same request
+published again (re-announcements at resumption).
 
 Setups. ``both``: one ``kv_both`` engine saving prefill and decode KV.
 ``pd``: a prefill engine (``kv_producer``) and a decode engine
@@ -43,7 +45,7 @@ from kvstate.config import ConnectorConfig, Role
 from kvstate.harness import EngineRequest, Harness
 from kvstate.invariants import INVARIANTS, Finding, Monitor
 from kvstate.keys import HashChain, chunk_hash
-from kvstate.observations import KeyEvicted, Observation, PutDone, Settled
+from kvstate.observations import KeyEvicted, Observation, PutDone, Settled, StepScheduled
 from kvstate.trace import encode_header, encode_observation
 from kvstate.variants import get_variant
 from sim.consumer import RadixConsumer
@@ -126,6 +128,10 @@ class _Recorder:
         self.announced: set[tuple[int, bytes]] = set()  # (group, hash) ever published
         self.duplicates = 0  # published events whose (group, hash) was announced before
         self.stored: set[tuple[int, str]] = set()  # (group, hash hex) some rank stored
+        # Per live request: (group, hash) its generations published; ``republished``
+        # counts events a later generation of the same request published again.
+        self.by_request: dict[tuple[int, str], set[tuple[int, bytes]]] = {}
+        self.republished = 0
 
     def sink(self, engine: int, consumer: RadixConsumer | None = None) -> Any:
         self.local.append(0)
@@ -134,12 +140,22 @@ class _Recorder:
             kind = type(obs)
             if kind is Settled:
                 announced = self.announced
-                for event in obs.settlement.published:  # type: ignore[attr-defined]
+                settlement = obs.settlement  # type: ignore[attr-defined]
+                by = settlement.published_by
+                for i, event in enumerate(settlement.published):
                     key = (event.group_idx, event.block_hashes[-1])
                     if key in announced:
                         self.duplicates += 1
                     else:
                         announced.add(key)
+                    if i < len(by):
+                        mine = self.by_request.setdefault((engine, by[i][0]), set())
+                        if key in mine:
+                            self.republished += 1
+                        mine.add(key)
+            elif kind is StepScheduled:
+                for req_id in obs.step.finished:  # type: ignore[attr-defined]
+                    self.by_request.pop((engine, req_id), None)
             elif kind is PutDone and obs.accepted:  # type: ignore[attr-defined]
                 self.stored.add((obs.group, obs.key.rsplit("@", 1)[1]))  # type: ignore[attr-defined]
             if consumer is not None:
@@ -344,6 +360,7 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         "store_exists_keys": store.exists_keys,
         "events_published": published,
         "events_duplicate": recorder.duplicates,
+        "events_republished": recorder.republished,
         "event_duplicate_ratio": round(recorder.duplicates / published, 4) if published else 0.0,
         "chunks_stored": len(recorder.stored),
         "events_per_stored_chunk": round(published / len(recorder.stored), 4)
