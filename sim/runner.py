@@ -45,7 +45,7 @@ from kvstate.config import ConnectorConfig, Role
 from kvstate.harness import EngineRequest, Harness
 from kvstate.invariants import INVARIANTS, Finding, Monitor
 from kvstate.keys import HashChain, chunk_hash
-from kvstate.observations import KeyEvicted, Observation, PutDone, Settled, StepScheduled
+from kvstate.observations import KeyEvicted, Observation, Planned, PutDone, Settled
 from kvstate.trace import encode_header, encode_observation
 from kvstate.variants import get_variant
 from sim.consumer import RadixConsumer
@@ -128,9 +128,11 @@ class _Recorder:
         self.announced: set[tuple[int, bytes]] = set()  # (group, hash) ever published
         self.duplicates = 0  # published events whose (group, hash) was announced before
         self.stored: set[tuple[int, str]] = set()  # (group, hash hex) some rank stored
-        # Per live request: (group, hash) its generations published; ``republished``
-        # counts events a later generation of the same request published again.
-        self.by_request: dict[tuple[int, str], set[tuple[int, bytes]]] = {}
+        # Per request id: (group, hash) its generations published since the id's
+        # last finished generation (``floor``; later reports of that one are not
+        # the new request's); ``republished`` counts events a later generation
+        # of the same request published again.
+        self.by_request: dict[tuple[int, str], tuple[int, set[tuple[int, bytes]]]] = {}
         self.republished = 0
 
     def sink(self, engine: int, consumer: RadixConsumer | None = None) -> Any:
@@ -149,13 +151,15 @@ class _Recorder:
                     else:
                         announced.add(key)
                     if i < len(by):
-                        mine = self.by_request.setdefault((engine, by[i][0]), set())
-                        if key in mine:
-                            self.republished += 1
-                        mine.add(key)
-            elif kind is StepScheduled:
-                for req_id in obs.step.finished:  # type: ignore[attr-defined]
-                    self.by_request.pop((engine, req_id), None)
+                        req_id, gen = by[i]
+                        floor, mine = self.by_request.setdefault((engine, req_id), (-1, set()))
+                        if gen > floor:
+                            if key in mine:
+                                self.republished += 1
+                            mine.add(key)
+            elif kind is Planned:
+                for req_id, gen in obs.plan.finished:  # type: ignore[attr-defined]
+                    self.by_request[(engine, req_id)] = (gen, set())
             elif kind is PutDone and obs.accepted:  # type: ignore[attr-defined]
                 self.stored.add((obs.group, obs.key.rsplit("@", 1)[1]))  # type: ignore[attr-defined]
             if consumer is not None:
