@@ -224,6 +224,15 @@ def test_a_liveness_failure_says_the_environment_stalled(
     assert "engine model stalled" in result.figures["liveness_detail"]
 
 
+def test_a_liveness_failure_says_the_protocol_stalled() -> None:
+    """Upstream's value-counted quorum keeps events that never reach quorum
+    (K3) although every request finished: the protocol's own leftovers."""
+    result = simulate(SimOptions(protocol="e2", requests=100, seed=0), stop_at_first=False)
+    assert "K3" in {f.invariant for _, f in result.findings}
+    assert result.figures["liveness_stall"] == "protocol"
+    assert "every request finished" in result.figures["liveness_detail"]
+
+
 def test_traces_record_the_new_options_and_minimize_reads_them_back(tmp_path: Path) -> None:
     from sim.minimize import options_from_trace
 
