@@ -229,6 +229,29 @@ def cmd_modelcheck(args: argparse.Namespace) -> int:
     return 0 if complete or not args.require_exhaustive else 1
 
 
+def _bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM connector bench runs in its own process (`adapters.vllm.bench`):
+    it needs the vllm extra, and upstream's connector keeps a ZMQ context that
+    would block this process's exit."""
+    import subprocess
+
+    command = [sys.executable, "-m", "adapters.vllm.bench", "--json"]
+    if args.quick:
+        command += ["--context", "1024", "--context", "4096", "--requests", "16",
+                    "--repeats", "1"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise UsageError("bench vllm needs vLLM 0.33.0 (adapters/vllm/requirements-cpu.txt, "
+                         f"then pip install --no-deps vllm==0.33.0): {done.stderr[-500:]}")
+    report: dict[str, Any] = json.loads(lines[-1])
+    if not args.json:
+        from adapters.vllm.bench import format_vllm
+
+        print(format_vllm(report))
+    return report
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from sim.bench import bench_core, bench_memory, bench_sim, format_report, ratio_lines
 
@@ -305,6 +328,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.json:
             print("trace check against bare parsing (same lines, same process, best of 3):")
             print(_table([[k, str(v)] for k, v in report["check"].items()]))
+    if "vllm" in parts:
+        report["vllm"] = _bench_vllm(args)
     if "hypothesis" in parts:
         from sim.bench import bench_hypothesis
 
@@ -879,7 +904,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
     bench.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants",
-                                                   "tools", "modelcheck", "hypothesis", "check"),
+                                                   "tools", "modelcheck", "hypothesis", "check",
+                                                   "vllm"),
                        help="what to measure (default: core sim)")
     bench.add_argument("--tool-protocol", type=_protocol, action="append",
                        help="for 'tools': only these variants (repeatable; default: all)")

@@ -367,3 +367,4 @@ def test_interop_with_upstreams_mooncake_store_connector(writer) -> None:
     assert result["hit_tokens"] == 64, result
     assert result["blocks_with_writer_bytes"] == 4, result
     assert result["load_errors"] == [], result
+

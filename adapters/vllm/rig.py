@@ -74,7 +74,7 @@ def tiny_model_dir(path: str | Path, num_kv_heads: int = HEADS) -> str:
     (path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
-        "num_attention_heads": 4, "num_key_value_heads": num_kv_heads, "vocab_size": 32000,
+        "num_attention_heads": max(4, num_kv_heads), "num_key_value_heads": num_kv_heads, "vocab_size": 32000,
         "max_position_embeddings": 8192, "torch_dtype": "float32",
     }))
     return str(path)
@@ -118,9 +118,11 @@ def make_vllm_config(model_dir: str, *, connector: str = "KvstateConnector",
                      module: str = "adapters.vllm", role: str = "kv_both",
                      extra: dict[str, Any] | None = None, block_size: int = 16,
                      num_blocks: int = 64, tp: int = 1, kv_events: bool = False,
-                     max_num_batched_tokens: int = 256, max_model_len: int = 4096) -> VllmConfig:
+                     max_num_batched_tokens: int = 256, max_model_len: int = 4096,
+                     max_num_seqs: int = 16) -> VllmConfig:
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32")
-    scheduler = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_chunked_prefill=True,
                                 is_encoder_decoder=False)
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
