@@ -148,6 +148,10 @@ def test_round_trip_a_second_engine_loads_what_the_first_stored(engines) -> None
     assert second.invalid_block_ids == set()
     assert second.totals()["keys_loaded"] == 4
     e.close()
+    # The GPU smoke script counts store hits from a trace the same way.
+    from adapters.vllm.gpu_smoke import store_hits
+
+    assert store_hits(e.traces[1]) == {"lookups": 1, "lookups_with_hits": 1, "hit_tokens": 64}
 
 
 def test_decode_phase_kv_is_saved_and_served(engines) -> None:
@@ -368,3 +372,24 @@ def test_interop_with_upstreams_mooncake_store_connector(writer) -> None:
     assert result["blocks_with_writer_bytes"] == 4, result
     assert result["load_errors"] == [], result
 
+
+
+def test_gpu_smoke_scripts_cpu_parts(tmp_path, monkeypatch) -> None:
+    """What `python -m adapters.vllm.gpu_smoke` builds before it needs a GPU:
+    prompts sharing a prefix, a kv_transfer_config vLLM and the connector
+    accept, a store config the Mooncake client reads."""
+    from vllm.config import KVTransferConfig
+
+    from adapters.mooncake import MooncakeConfig
+    from adapters.vllm.gpu_smoke import connector_transfer_config, smoke_prompts, write_store_config
+    from adapters.vllm.options import ConnectorOptions
+
+    prompts = smoke_prompts(batch=3, prefix=32, suffix=4)
+    assert len({tuple(p[:32]) for p in prompts}) == 1 and len({tuple(p) for p in prompts}) == 3
+    config = connector_transfer_config(str(tmp_path / "t.jsonl"))
+    transfer = KVTransferConfig(**config)
+    options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+    assert options.save_decode_cache and options.trace == str(tmp_path / "t.jsonl")
+    write_store_config(tmp_path / "mc.json", "127.0.0.1:5555")
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(tmp_path / "mc.json"))
+    assert MooncakeConfig.from_env().master_server_address == "127.0.0.1:5555"
