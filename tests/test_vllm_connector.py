@@ -393,3 +393,25 @@ def test_gpu_smoke_scripts_cpu_parts(tmp_path, monkeypatch) -> None:
     write_store_config(tmp_path / "mc.json", "127.0.0.1:5555")
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(tmp_path / "mc.json"))
     assert MooncakeConfig.from_env().master_server_address == "127.0.0.1:5555"
+
+
+def test_bench_vllm_measures_both_connectors_at_each_context() -> None:
+    """`kvstate bench vllm`'s machinery on a tiny shape: every connector at
+    every context gets a cost and a metadata size, and the process exits
+    (upstream's lookup socket is closed, not left to block the collector)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "adapters.vllm.bench", "--json", "--context", "64",
+         "--context", "256", "--requests", "4", "--world-size", "2", "--repeats", "2"],
+        capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-2000:]
+    rows = json.loads(lines[-1])["rows"]
+    assert {(r["kind"], r["context"]) for r in rows} == {
+        (kind, context) for kind in ("upstream", "kvstate", "kvstate+monitor")
+        for context in (64, 256)}
+    for row in rows:
+        assert row["us_per_request_step"] > 0 and row["meta_bytes_per_job"] > 0, row
+        assert row["decode_steps"] == 32 and row["jobs"] > 0, row

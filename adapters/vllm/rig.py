@@ -75,7 +75,7 @@ def tiny_model_dir(path: str | Path, num_kv_heads: int = HEADS) -> str:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
         "num_attention_heads": max(4, num_kv_heads), "num_key_value_heads": num_kv_heads, "vocab_size": 32000,
-        "max_position_embeddings": 8192, "torch_dtype": "float32",
+        "max_position_embeddings": 1 << 18, "torch_dtype": "float32",
     }))
     return str(path)
 
