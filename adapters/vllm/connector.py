@@ -34,7 +34,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from adapters.mooncake import MooncakeConfig, MooncakeStore
-from kvstate.observations import Observation
 from kvstate.records import LoadReport, Plan, Report
 from kvstate.variants import get_variant
 
@@ -270,4 +269,4 @@ class KvstateConnector(KVConnectorBase_V1):
 
 
 __all__ = ["KvstateConnector", "KvstateConnectorMetadata", "KvstateWorkerMetadata",
-           "KvstateConnectorStats", "Observation"]
+           "KvstateConnectorStats"]

@@ -312,8 +312,6 @@ class Rig:
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every rank's send thread finished what it has queued."""
-        from .worker_side import wait_until
-
         for worker in self.workers:
             side = worker.worker
             if side is None:
@@ -321,7 +319,10 @@ class Rig:
             def idle(side: Any = side) -> bool:
                 return not side.executor.queue and side.in_flight is None
 
-            if not wait_until(idle, timeout):
+            deadline = time.monotonic() + timeout
+            while not idle() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            if not idle():
                 raise TimeoutError(f"rank {side.rank} still busy after {timeout}s")
 
     def busy(self) -> bool:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -328,14 +327,3 @@ class WorkerSide:
                                       key, group, cid, block, "", code, code == 0))
         return self.executor.put_answered(job, answer)
 
-
-def wait_until(predicate: Callable[[], bool], timeout: float, poll: float = 0.002) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds passed (tests, shutdown)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(poll)
-    return predicate()
