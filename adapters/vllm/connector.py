@@ -95,7 +95,7 @@ class KvstateConnectorStats(KVConnectorStats):
         return {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in self.data)
+        return not any(self.data.values())
 
 
 class KvstateConnector(KVConnectorBase_V1):

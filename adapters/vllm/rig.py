@@ -13,7 +13,7 @@ tests, ``kvstate bench vllm`` and the interop check all drive vLLM through it.
   metadata, load (before the forward when the step has synchronous loads),
   the forward pass, ``wait_for_save``, collect load errors, worker metadata
   and stats, then ``update_from_output()`` with the ranks' outputs aggregated
-  by vLLM's own ``KVOutputAggregator`` rules (worker metadata ``aggregate``).
+  by vLLM's own ``KVOutputAggregator``.
 - The fake forward writes, for every computed token position, values derived
   from the prefix up to it (a rolling hash of the token ids), the layer and
   the rank's key namespace — so two requests with a common prefix have equal
@@ -46,6 +46,7 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -191,7 +192,9 @@ class Rig:
         self.events: list[Any] = []
         self.stats: list[dict[str, Any]] = []
         self.invalid_block_ids: set[int] = set()
-        self._finished_counts: dict[str, dict[str, int]] = {"sending": {}, "recving": {}}
+        # vLLM's own rules: a transfer is finished once every rank reported it;
+        # worker metadata and stats are aggregate()d across ranks.
+        self.aggregator = KVOutputAggregator(len(self.workers))
 
     def _keep(self, events: Any) -> list[Any]:
         events = list(events)
@@ -278,7 +281,11 @@ class Rig:
             out.kv_connector_worker_meta = worker.build_connector_worker_meta()
             worker.clear_connector_metadata()
             outputs.append(out)
-        combined = self._aggregate(outputs)
+        merged = self.aggregator.aggregate([
+            ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=out)
+            for out in outputs])
+        combined = (merged.kv_connector_output if merged is not None
+                    and merged.kv_connector_output is not None else KVConnectorOutput())
         self.invalid_block_ids |= combined.invalid_block_ids
         ids = list(so.num_scheduled_tokens)
         sampled = []
@@ -329,36 +336,6 @@ class Rig:
         s = self.scheduler
         return bool(s.waiting or s.running or s.has_unfinished_requests()
                     or (s.connector is not None and s.connector.has_pending_push_work()))
-
-    def _aggregate(self, outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
-        """vLLM's ``KVOutputAggregator`` rules: a request's send or receive is
-        finished once every rank reported it (counted across steps); load
-        errors are united; worker metadata and stats are ``aggregate``d."""
-        combined = KVConnectorOutput()
-        meta = None
-        stats = None
-        done: dict[str, set[str]] = {"sending": set(), "recving": set()}
-        for out in outputs:
-            combined.invalid_block_ids |= out.invalid_block_ids
-            combined.failed_recving |= set(out.failed_recving or ())
-            for kind, ids in (("sending", out.finished_sending), ("recving", out.finished_recving)):
-                for req_id in ids or ():
-                    counts = self._finished_counts[kind]
-                    counts[req_id] = counts.get(req_id, 0) + 1
-                    if counts[req_id] == len(self.workers):
-                        del counts[req_id]
-                        done[kind].add(req_id)
-            if out.kv_connector_worker_meta is not None:
-                meta = out.kv_connector_worker_meta if meta is None else meta.aggregate(
-                    out.kv_connector_worker_meta)
-            if out.kv_connector_stats is not None:
-                stats = out.kv_connector_stats if stats is None else stats.aggregate(
-                    out.kv_connector_stats)
-        combined.finished_sending = done["sending"] or None
-        combined.finished_recving = done["recving"] or None
-        combined.kv_connector_worker_meta = meta
-        combined.kv_connector_stats = stats
-        return combined
 
     def totals(self) -> dict[str, int]:
         """Every counter of the scheduler and all ranks since the rig started."""
