@@ -524,6 +524,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
             ["preemptions / id reuses", f"{f['preemptions']} / {f['id_reuses']}"],
             ["requests rejected at admission", str(f["rejected"])],
             ["store puts / exists keys", f"{f['store_puts']} / {f['store_exists_keys']}"],
+            ["dedup hits at save (rate) / peak pins",
+             f"{f['dedup_hits']} ({f['dedup_hit_rate']}) / {f['peak_pins']}"],
             ["store keys / evictions", f"{f['store_keys']} / {f['store_evictions']}"],
             ["events published", str(f["events_published"])],
             ["events per stored chunk / duplicate ratio",

@@ -46,6 +46,7 @@ from kvstate.harness import EngineRequest, Harness
 from kvstate.invariants import INVARIANTS, Finding, Monitor
 from kvstate.keys import HashChain, chunk_hash
 from kvstate.observations import KeyEvicted, Observation, Planned, PutDone, Settled
+from kvstate.records import NULL_BLOCK_ID
 from kvstate.trace import encode_header, encode_observation
 from kvstate.variants import get_variant
 from sim.consumer import RadixConsumer
@@ -134,6 +135,8 @@ class _Recorder:
         # of the same request published again.
         self.by_request: dict[tuple[int, str], tuple[int, set[tuple[int, bytes]]]] = {}
         self.republished = 0
+        self.pins_held = 0  # connector pins (extra block references) outstanding
+        self.peak_pins = 0
 
     def sink(self, engine: int, consumer: RadixConsumer | None = None) -> Any:
         self.local.append(0)
@@ -143,6 +146,7 @@ class _Recorder:
             if kind is Settled:
                 announced = self.announced
                 settlement = obs.settlement  # type: ignore[attr-defined]
+                self.pins_held -= sum(1 for b in settlement.releases if b != NULL_BLOCK_ID)
                 by = settlement.published_by
                 for i, event in enumerate(settlement.published):
                     key = (event.group_idx, event.block_hashes[-1])
@@ -158,7 +162,11 @@ class _Recorder:
                                 self.republished += 1
                             mine.add(key)
             elif kind is Planned:
-                for req_id, gen in obs.plan.finished:  # type: ignore[attr-defined]
+                plan = obs.plan  # type: ignore[attr-defined]
+                self.pins_held += sum(1 for b in plan.pins if b != NULL_BLOCK_ID) - sum(
+                    1 for b in plan.releases if b != NULL_BLOCK_ID)
+                self.peak_pins = max(self.peak_pins, self.pins_held)
+                for req_id, gen in plan.finished:
                     self.by_request[(engine, req_id)] = (gen, set())
             elif kind is PutDone and obs.accepted:  # type: ignore[attr-defined]
                 self.stored.add((obs.group, obs.key.rsplit("@", 1)[1]))  # type: ignore[attr-defined]
@@ -362,6 +370,11 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
         "store_keys": len(store.objects),
         "store_puts": store.puts,
         "store_exists_keys": store.exists_keys,
+        "dedup_hits": store.dedup_hits,
+        "dedup_hit_rate": round(store.dedup_hits / store.dedup_checked, 4)
+        if store.dedup_checked else 0.0,
+        "peak_pins": recorder.peak_pins,
+        "pins_at_end": recorder.pins_held,
         "events_published": published,
         "events_duplicate": recorder.duplicates,
         "events_republished": recorder.republished,

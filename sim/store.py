@@ -5,7 +5,7 @@ latency per call, and the faults the run's swarm switched on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvstate.memory_store import MemoryStore, StoreRaised
 from sim.faults import Faults
@@ -29,6 +29,17 @@ class SimStore(MemoryStore):
         self.on_evict = on_evict
         self.evictions = 0
         self._evicting = False
+        # A rank's existence check that finds a key present saves its put
+        # (dedup); the engine's own lookups (rank -1) are not counted.
+        self.dedup_checked = 0
+        self.dedup_hits = 0
+
+    def exists(self, rank: int, keys: Sequence[str]) -> list[bool]:
+        present = super().exists(rank, keys)
+        if rank >= 0:
+            self.dedup_checked += len(present)
+            self.dedup_hits += sum(present)
+        return present
 
     def _answer(self, op: str, rank: int, key: str) -> int | BaseException:
         faults = self.faults
