@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvstate.contract import render_markdown
 from kvstate.diagrams import all_diagrams
 from kvstate.invariants import CATALOGUE
 from kvstate.trace import trace_schema
@@ -58,6 +59,7 @@ def rendered_specs() -> dict[str, str]:
     files = {
         "invariants.md": render_invariants(),
         "trace.schema.json": json.dumps(trace_schema(), indent=2, sort_keys=True) + "\n",
+        "trace.md": render_markdown(),
     }
     files.update({f"diagrams/{name}": text for name, text in all_diagrams().items()})
     files.update({f"scenarios/{name}.jsonl": render_scenario_trace(name)

@@ -48,6 +48,7 @@ from kvstate import events as _events
 from kvstate import observations as _observations
 from kvstate import records as _records
 from kvstate import tables as _tables
+from kvstate.contract import ANNOTATIONS, OMITTABLE
 
 TRACE_VERSION = 1
 MAX_LINE_BYTES = 64 << 20  # a line longer than this is refused, not read into memory
@@ -302,9 +303,11 @@ def _fields_of(cls: type) -> tuple[frozenset[str], tuple[tuple[str, Decoder, boo
     found = _FIELDS.get(cls)
     if found is None:
         fields = attrs.fields(cls)
+        omittable = OMITTABLE.get(cls.__name__, {})
         found = _FIELDS[cls] = (
             frozenset(f.name for f in fields),
-            tuple((f.name, decoder_for(f.type), f.default is attrs.NOTHING) for f in fields),
+            tuple((f.name, decoder_for(f.type),
+                   f.default is attrs.NOTHING and f.name not in omittable) for f in fields),
         )
     return found
 
@@ -324,6 +327,9 @@ def decode_record(cls: type, data: dict[str, Any], where: str, path: str = "",
             if required:
                 raise TraceError(where, f"{path}.{name}".lstrip("."),
                                  f"missing (required by {cls.__name__})")
+            omitted = OMITTABLE.get(cls.__name__)
+            if omitted is not None and name in omitted:  # the observed layer left it out
+                kwargs[name] = omitted[name]
             continue
         kwargs[name] = decode(data[name], where, f"{path}.{name}" if path else name)
     try:
@@ -353,17 +359,8 @@ def parse_json(text: str, where: str) -> Any:
         raise TraceError(where, "", "invalid JSON (nested too deeply)") from None
 
 
-# Optional fields only kvstate knows as a producer (its own verdicts and
-# bookkeeping): an engine's recorder may leave them out, and a left-out one is
-# *unknown*, not its empty default. Per observation type: the record field
-# holding them (None: the line itself) and their names. ``absent_annotations``
-# names those a line left out; the monitor never reads them as a verdict.
-ANNOTATIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {
-    "Planned": ("plan", ("violations", "started", "ended")),
-    "Settled": ("settlement", ("released_jobs", "published_by", "violations",
-                               "dropped_events")),
-    "JobFinished": (None, ("now", "skipped_since")),
-}
+# The annotation fields (`kvstate.contract.ANNOTATIONS`): a left-out one is
+# unknown; ``absent_annotations`` names those a line left out.
 NO_ABSENT: frozenset[str] = frozenset()
 
 
@@ -779,9 +776,10 @@ class _FastCodec:
         for name, cls in sorted(OBSERVATIONS.items()):
             holder, names = ANNOTATIONS.get(name, (None, ()))
             fields: list[tuple[Any, ...]] = [("i", int), ("e", int), ("t", float)]
+            omittable = OMITTABLE.get(name, {})
             for f in attrs.fields(cls):
                 unset = holder is None and f.name in names
-                fields.append(self._field(f, unset))
+                fields.append(self._field(f, unset, omittable))
             lines.append(ms.defstruct(name, fields, tag_field="type", tag=name,
                                       forbid_unknown_fields=True, gc=False, kw_only=True))
             if name in ANNOTATIONS:
@@ -791,11 +789,13 @@ class _FastCodec:
         self.decoder = ms.json.Decoder(typing.Union[tuple(lines)],  # noqa: UP007 - built
                                        dec_hook=_fast_hook)
 
-    def _field(self, f: Any, unset: bool) -> tuple[Any, ...]:
+    def _field(self, f: Any, unset: bool, omittable: dict[str, Any]) -> tuple[Any, ...]:
         kind = self._type(f.type)
         if unset:
             return (f.name, typing.Union[kind, _msgspec.UnsetType],  # noqa: UP007
                     _msgspec.UNSET)
+        if f.name in omittable:  # left out by the observed layer: reads as the table says
+            return (f.name, kind, omittable[f.name])
         if f.default is attrs.NOTHING:
             return (f.name, kind)
         return (f.name, kind, f.default)
@@ -834,7 +834,9 @@ class _FastCodec:
             unset = self.unset.get(cls, ())
             fields = attrs.fields(cls)  # type: ignore[arg-type]
             struct = ms.defstruct(cls.__name__,
-                                  [self._field(f, f.name in unset) for f in fields],
+                                  [self._field(f, f.name in unset,
+                                               OMITTABLE.get(cls.__name__, {}))
+                                   for f in fields],
                                   tag_field="@", tag=cls.__name__,
                                   forbid_unknown_fields=True, gc=False, kw_only=True)
             tag = "@"
@@ -894,9 +896,14 @@ class TraceReader:
         self.fast = fast_codec() if fast else None
         # The annotation fields the latest line left out (`ANNOTATIONS`).
         self.absent: frozenset[str] = NO_ABSENT
+        from kvstate.derive import Derivation  # derive reads TraceError from here
+
+        # Generation numbers the observed layer left out (`kvstate.derive`).
+        self.derivation = Derivation(self.header["configs"])
 
     def __iter__(self) -> Iterator[tuple[int, int, float, Any]]:
         validator = _Validator(self.header["configs"])
+        derive = self.derivation.apply
         codec = self.fast
         decode = codec.decoder.decode if codec is not None else None
         annotated = frozenset(codec.defaults) if codec is not None else frozenset()
@@ -928,6 +935,7 @@ class TraceReader:
                 raise TraceError(where, "e",
                                  f"engine {engine} but the header configures {engines}")
             check_line(where, index, engine, when, obs)
+            obs, self.absent = derive(where, engine, obs, self.absent)
             yield number, engine, when, obs
 
     def close(self) -> None:
@@ -981,9 +989,10 @@ def _record_schema(cls: type, tag: str | None) -> dict[str, Any]:
     if tag == "@":
         props["@"] = {"const": cls.__name__}
         required.append("@")
+    omittable = OMITTABLE.get(cls.__name__, {})
     for field in attrs.fields(cls):
         props[field.name] = _schema_of(field.type)
-        if field.default is attrs.NOTHING:
+        if field.default is attrs.NOTHING and field.name not in omittable:
             required.append(field.name)
     return {"type": "object", "properties": props, "required": required,
             "additionalProperties": False}

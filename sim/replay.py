@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from kvstate.contract import OMITTABLE
 from kvstate.executor import Executor, RankJob
 from kvstate.observations import (
     Allocated,
@@ -105,6 +106,9 @@ class _EngineReplay:
         self.delivered: list[Report] = []
         self.loads: dict[int, list[GetCall]] = {}
         self.load_reports: list[LoadReport] = []
+        # The trace is of the observed layer only (`kvstate.derive`): it has
+        # no rank-state writes and leaves the omittable fields out.
+        self.observed_only = False
 
     def handle(self, rank: int, job: RankJob, out: Any) -> None:
         if out is None:
@@ -137,6 +141,17 @@ def _unrecorded(recorded: Any, model: Any, absent: frozenset[str]) -> Any:
     return attrs.evolve(model, **{name: getattr(recorded, name) for name in absent})
 
 
+def _observed_only(recorded: Any, model: Any) -> Any:
+    """The model's output with the fields the observed layer leaves out
+    (`kvstate.contract.OMITTABLE`) taken from the recorded line: a trace that
+    derives its generations wrote none of them, so none is compared."""
+    omit = OMITTABLE.get(type(model).__name__)
+    if omit is None or type(model) is not type(recorded):
+        return model
+    return attrs.evolve(model, **{name: getattr(recorded, name) for name in omit
+                                  if name != "generation"})
+
+
 def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
     with TraceReader(path) as reader:
         name = reader.name
@@ -150,6 +165,7 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
         for number, index, when, obs in reader:
             engine = engines[index]
             engine.now = when
+            engine.observed_only = reader.derivation.mode == "derived"
             try:
                 compared += _apply(engine, obs, reader.absent)
             except _Mismatch as mm:
@@ -165,6 +181,9 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
                                  f"the model could not take this {type(obs).__name__} "
                                  f"({type(exc).__name__}: {exc})") from None
         for index, engine in enumerate(engines):
+            if engine.observed_only:
+                while engine.produced and isinstance(engine.produced[0], StateWritten):
+                    engine.produced.popleft()
             if engine.produced:
                 return ReplayResult(name, chosen, reader.last_line, compared, Divergence(
                     reader.last_line, index, "end of trace", "nothing more",
@@ -175,6 +194,10 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
 def _apply(engine: _EngineReplay, obs: Any, absent: frozenset[str] = frozenset()) -> int:
     """Feed one recorded observation; return how many outputs were compared.
     ``absent``: the annotations its line left out (not compared)."""
+    if engine.observed_only:
+        produced = engine.produced
+        while produced and isinstance(produced[0], StateWritten):
+            produced.popleft()  # kvstate's own rank-state writes: no engine logs them
     if isinstance(obs, _PRODUCED):
         if isinstance(obs, JobStarted) and not engine.produced:
             executor = engine.executors[obs.rank]
@@ -184,7 +207,13 @@ def _apply(engine: _EngineReplay, obs: Any, absent: frozenset[str] = frozenset()
             engine.handle(obs.rank, job, executor.start(job))
         if not engine.produced:
             raise _Mismatch(type(obs).__name__, obs, "the model produced nothing here")
-        _same(type(obs).__name__, obs, _unrecorded(obs, engine.produced.popleft(), absent))
+        model = _unrecorded(obs, engine.produced.popleft(), absent)
+        if engine.observed_only:
+            model = _observed_only(obs, model)
+        _same(type(obs).__name__, obs, model)
+        if engine.observed_only and isinstance(obs, JobStarted):
+            while engine.produced and isinstance(engine.produced[0], StateWritten):
+                engine.produced.popleft()
         return 1
     if engine.produced:
         raise _Mismatch("extra output", "nothing before " + type(obs).__name__,
@@ -207,7 +236,8 @@ def _apply(engine: _EngineReplay, obs: Any, absent: frozenset[str] = frozenset()
         if not engine.outbox:
             raise _Mismatch("ReportDelivered", obs.report, "no report pending")
         report = engine.outbox.popleft()
-        _same("ReportDelivered", obs.report, report)
+        _same("ReportDelivered", obs.report,
+              _observed_only(obs.report, report) if engine.observed_only else report)
         engine.delivered.append(report)
         return 1
     elif isinstance(obs, Settled):

@@ -191,6 +191,26 @@ def test_preemption_from_a_small_block_pool_leaves_nothing_pinned(engines) -> No
     e.close()
 
 
+def test_the_recorder_can_write_only_what_vllm_shows(engines) -> None:
+    """``kvstate_trace_layer: observed``: no generations, no rank-state
+    writes, no verdicts (specs/trace.md); the trace of a preemption-heavy run
+    still checks clean and replays, the checker numbering the lifetimes."""
+    e = engines(save_decode_cache=True, kvstate_trace_layer="observed")
+    rig = e.engine(num_blocks=12)
+    for i in range(3):
+        rig.add(f"r{i}", prompt(40, salt=30 + i), max_tokens=30)
+    rig.run()
+    rig.drain()
+    rig.run()
+    assert sum(r.num_preemptions for r in rig.requests.values()) > 0
+    e.close()  # check_trace and replay_trace, as for every trace here
+    with open(e.traces[0]) as handle:
+        text = handle.read()
+    for internal in ('"generation"', '"StateWritten"', '"confirmed_offset"', '"started"'):
+        assert internal not in text
+    assert '"preempted":["r' in text  # the scheduler's own output is there
+
+
 def test_request_id_reused_in_the_very_next_step(engines) -> None:
     e = engines(save_decode_cache=True)
     rig = e.engine()

@@ -124,7 +124,8 @@ class KvstateConnector(KVConnectorBase_V1):
                     base, global_segment_size=LOOKUP_CLIENT_BYTES,
                     local_buffer_size=LOOKUP_CLIENT_BYTES))
             self._log = EngineLog(self.kv_config, self.variant.name, path=self.options.trace,
-                                  monitor=self.options.monitor, header=self._trace_header)
+                                  monitor=self.options.monitor, header=self._trace_header,
+                                  layer=self.options.trace_layer)
             self.scheduler = SchedulerSide(self.kv_config, self.variant,
                                            lookup_store=lookup_store, log=self._log)
         else:

@@ -9,6 +9,8 @@ fields, all prefixed ``kvstate_``:
 - ``kvstate_protocol``: ``kvstate`` (default) or any variant name
   (`kvstate.variants.VARIANTS`), e.g. ``e2`` to run upstream's bookkeeping;
 - ``kvstate_trace``: a path; the scheduler writes the engine's trace there;
+- ``kvstate_trace_layer``: ``annotated`` (default: kvstate's internals too) or
+  ``observed`` (only what vLLM's own objects show, `kvstate.contract`);
 - ``kvstate_monitor``: ``off`` | ``log`` | ``raise`` — the invariant catalogue
   online, inside the engine;
 - ``kvstate_store_timeout``: seconds one store call may take (upstream has no
@@ -31,9 +33,10 @@ from kvstate.variants import VARIANTS
 MONITOR_MODES = ("off", "log", "raise")
 
 KNOWN_KVSTATE_FIELDS = (
-    "kvstate_protocol", "kvstate_trace", "kvstate_monitor", "kvstate_store_timeout",
-    "kvstate_put_step",
+    "kvstate_protocol", "kvstate_trace", "kvstate_trace_layer", "kvstate_monitor",
+    "kvstate_store_timeout", "kvstate_put_step",
 )
+TRACE_LAYERS = ("annotated", "observed")
 
 
 def _bad(field: str, value: Any, why: str) -> ValueError:
@@ -57,6 +60,7 @@ class ConnectorOptions:
     enable_lookup: bool = True
     cache_prefix: str = ""
     trace: str | None = None
+    trace_layer: str = "annotated"
     monitor: str = "off"
     store_timeout: float = 5.0
     put_step: int | None = None
@@ -75,6 +79,9 @@ class ConnectorOptions:
         trace = extra.get("kvstate_trace")
         if trace is not None and (not isinstance(trace, str) or not trace):
             raise _bad("kvstate_trace", trace, "expected a file path")
+        layer = extra.get("kvstate_trace_layer", "annotated")
+        if layer not in TRACE_LAYERS:
+            raise _bad("kvstate_trace_layer", layer, f"expected one of {', '.join(TRACE_LAYERS)}")
         monitor = extra.get("kvstate_monitor", "off")
         if monitor not in MONITOR_MODES:
             raise _bad("kvstate_monitor", monitor, f"expected one of {', '.join(MONITOR_MODES)}")
@@ -95,6 +102,7 @@ class ConnectorOptions:
             enable_lookup=_flag(extra, "enable_lookup", True),
             cache_prefix=prefix,
             trace=trace,
+            trace_layer=layer,
             monitor=monitor,
             store_timeout=float(timeout),
             put_step=put_step,

@@ -34,10 +34,12 @@ The online monitor sees exactly the written order.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import IO, Any
 
+from kvstate.contract import observed_layer
 from kvstate.invariants import Monitor
 from kvstate.observations import Observation
 from kvstate.trace import encode_header, encode_observation
@@ -58,7 +60,7 @@ class EngineLog:
     """Orders, writes and monitors one engine's observations."""
 
     def __init__(self, config: Any, protocol: str, *, path: str | None, monitor: str,
-                 header: Callable[[], dict[str, Any]]) -> None:
+                 header: Callable[[], dict[str, Any]], layer: str = "annotated") -> None:
         """``header`` is called once, at the first flush: what it names (the
         engine's block-hash function and its NONE_HASH) is settled only once
         the engine core initialised its hashing, after the connector was built."""
@@ -76,6 +78,9 @@ class EngineLog:
         self._reported = 0
         self.violations: list[Any] = []
         self.active = path is not None or monitor != "off"
+        # "observed": write only what vLLM's own objects show (specs/trace.md),
+        # as a recorder that knows nothing of kvstate would.
+        self.layer = layer
 
     def _start(self) -> None:
         self._started = True
@@ -118,9 +123,15 @@ class EngineLog:
                 cut += 1
         ready, self._pending = self._pending[:cut], self._pending[cut:]
         lines = []
+        observed_only = self.layer == "observed"
         for key, obs in ready:
             if self._file is not None:
-                lines.append(encode_observation(obs, self._index, 0, float(key[0])))
+                line = encode_observation(obs, self._index, 0, float(key[0]))
+                if observed_only:
+                    cut = observed_layer(json.loads(line))
+                    line = json.dumps(cut, separators=(",", ":")) if cut is not None else ""
+                if line:
+                    lines.append(line)
             self._index += 1
             if self.monitor is not None:
                 self.monitor.observe(obs)
