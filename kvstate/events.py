@@ -58,8 +58,11 @@ class _GenerationEvents:
 
     def __init__(self, earlier: _RequestEvents) -> None:
         self.ranks: dict[BlockStored, set[int]] = {}
-        self.waiting: dict[bytes, list[BlockStored]] = {}
-        self.published: set[bytes] = set()
+        # Keyed by (group, hash): every group's chunks share the request's
+        # hashes, so a hash alone would let one group's event stand in for
+        # another's (issue 10).
+        self.waiting: dict[tuple[int, bytes], list[BlockStored]] = {}
+        self.published: set[tuple[int, bytes]] = set()
         self.earlier = earlier
 
 
@@ -84,11 +87,16 @@ class OrderedQuorum:
     rejects orphans (Dynamo's radix router) never sees one — even with TP
     striding, where different ranks announce neighbouring chunks (K4).
     Sliding-window groups skip the hold: their chains are sparse by design.
+    Everything is keyed by (group, hash), never by hash alone: the groups of
+    a hybrid model store the same chunks under the same hashes, so a
+    hash-keyed memory dropped a second group's event as a duplicate of the
+    first group's (uncounted) and released a full-attention child behind
+    another group's parent (an orphan in its own group).
 
     Re-announcements: every generation announces its chain from its first
     chunk, so each resumption after a preemption used to re-publish the whole
     prefix (issue 10: a million duplicates for 400 requests under preemption
-    storms). A chunk of a full-attention group that an earlier generation of
+    storms). A chunk (of any group) that an earlier generation of
     the same request published is now counted as published for the new
     generation — its children are released behind it, in chain order — but
     not published again; the chain needs no second copy, since the consumer
@@ -136,24 +144,24 @@ class OrderedQuorum:
     def _release(self, state: _GenerationEvents, event: BlockStored, out: list[BlockStored],
                  earlier: set[tuple[int, bytes]]) -> None:
         parent = event.parent_block_hash
-        if (parent is not None and event.group_idx in self.ordered_groups
-                and parent not in state.published):
-            state.waiting.setdefault(parent, []).append(event)
+        group = event.group_idx
+        if (parent is not None and group in self.ordered_groups
+                and (group, parent) not in state.published):
+            state.waiting.setdefault((group, parent), []).append(event)
             return
         ready = [event]
         while ready:
             ev = ready.pop()
-            digest = ev.block_hashes[-1]
-            ordered = ev.group_idx in self.ordered_groups
-            if digest in state.published and ordered:
+            chunk = (ev.group_idx, ev.block_hashes[-1])
+            if chunk in state.published:
                 continue  # a duplicate announcement: consumers are idempotent, skip it
-            if ordered and (ev.group_idx, digest) in earlier:
+            if chunk in earlier:
                 self.suppressed += 1  # an earlier generation published it
             else:
                 out.append(ev)
-                earlier.add((ev.group_idx, digest))
-            state.published.add(digest)
-            ready.extend(reversed(state.waiting.pop(digest, ())))
+                earlier.add(chunk)
+            state.published.add(chunk)
+            ready.extend(reversed(state.waiting.pop(chunk, ())))
 
     def generation_settled(self, gen: GenKey) -> int:
         state = self._gens.pop(gen, None)

@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 
 from kvstate.blockhash import KVSTATE, BlockHasher
-from kvstate.config import ConnectorConfig
+from kvstate.config import ConnectorConfig, GroupKind
 from kvstate.events import BlockStored
 from kvstate.keys import chunk_hash, key_prefix
 from kvstate.observations import (
@@ -288,10 +288,16 @@ class Monitor:
         self.frontier: dict[tuple[int, GenKey], int] = {}
         self.offsets: dict[tuple[int, str, int], int] = {}
         # The orphan-rejecting consumer's index: announced chunks still in the
-        # store. A chunk the store evicted is forgotten but remembered as
-        # evicted (bounded), so a child naming it is not mistaken for an orphan.
-        self.known_blocks: dict[bytes, None] = {}
-        self.evicted_blocks: dict[bytes, None] = {}
+        # store, by (group, hash) — a hybrid model's groups share hashes, and
+        # one group's chunk is no parent in another's chain. A chunk the store
+        # evicted is forgotten but remembered as evicted (bounded), so a child
+        # naming it is not mistaken for an orphan.
+        self.known_blocks: dict[tuple[int, bytes], None] = {}
+        self.evicted_blocks: dict[tuple[int, bytes], None] = {}
+        # Groups whose events form a chain (full attention); a sliding-window
+        # group's chain is sparse by design, so its parents are not required.
+        self._chained_groups = frozenset(
+            i for i, g in enumerate(config.groups) if g.kind is GroupKind.FULL)
         self._computed_next: dict[str, int] = {}
         self._prefixes = {
             (r, g): key_prefix(config, r, g)
@@ -626,11 +632,14 @@ class Monitor:
                 self.fail("S16", f"event for {digest.hex()} published, but rank namespaces "
                           f"{sorted(missing)} never reported storing it")
         parent = event.parent_block_hash
-        if (parent is not None and parent not in self.known_blocks
-                and parent not in self.evicted_blocks):
-            self.fail("K4", f"event for {digest.hex()} names parent {parent.hex()}, which no "
-                      "earlier event announced (an orphan)")
-        self.known_blocks[digest] = None
+        group = event.group_idx
+        if (parent is not None and group in self._chained_groups
+                and (group, parent) not in self.known_blocks
+                and (group, parent) not in self.evicted_blocks):
+            self.fail("K4", f"event for {digest.hex()} of group {group} names parent "
+                      f"{parent.hex()}, which no earlier event of group {group} announced "
+                      "(an orphan)")
+        self.known_blocks[(group, digest)] = None
 
     # ------------------------------------------------------------------
     # Rank side.
@@ -845,13 +854,16 @@ class Monitor:
 
     def _on_KeyEvicted(self, obs: KeyEvicted) -> None:
         self.store.discard(obs.key)
+        fields = _key_fields(obs.key)
+        if fields is None:
+            return  # not kvstate's key format: no group to forget it in
         try:
-            digest = bytes.fromhex(key_digest(obs.key))
+            chunk = (fields[2], bytes.fromhex(fields[0]))
         except ValueError:
             return
-        if self.known_blocks.pop(digest, 0) is None:
+        if self.known_blocks.pop(chunk, 0) is None:
             evicted = self.evicted_blocks
-            evicted[digest] = None
+            evicted[chunk] = None
             if len(evicted) > EVICTED_MEMORY:
                 del evicted[next(iter(evicted))]
 

@@ -377,6 +377,17 @@ def _faults_arg(text: str) -> tuple[str, ...]:
     return sites
 
 
+def _groups_arg(text: str) -> tuple[str, ...]:
+    from sim.runner import parse_groups
+
+    groups = tuple(t.strip() for t in text.split(","))
+    try:
+        parse_groups(groups)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return groups
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -419,6 +430,13 @@ def add_sim_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--faults", type=_faults_arg, default=d.faults,
                        help="comma-separated fault sites, 'all' or 'none'")
     group.add_argument("--settle-time", type=_positive_float, default=d.settle_time)
+    group.add_argument("--groups", type=_groups_arg, default=d.groups,
+                       help="KV-cache groups, comma-separated: 'full' or 'swa:W' (sliding "
+                       "window of W tokens), e.g. full,swa:8 (a hybrid model)")
+    group.add_argument("--alignment", type=_nonneg_int, default=d.alignment,
+                       help="tokens a stored prefix ends on (the lcm block size; a multiple "
+                       "of --block-size; 0: the block size). A sliding-window group stores "
+                       "only the window before each boundary")
 
 
 def options_from(args: argparse.Namespace) -> Any:
@@ -440,7 +458,7 @@ def _validate(options: Any) -> None:
         raise UsageError(str(exc).replace("ConnectorConfig.", "--").replace("_", "-")) from None
     from sim.engine import kv_capacity_tokens
 
-    capacity = kv_capacity_tokens(options.num_blocks, options.block_size)
+    capacity = kv_capacity_tokens(options.num_blocks, options.block_size, len(options.groups))
     if options.max_model_len > capacity:
         # vLLM refuses to start when the KV cache cannot hold one max-length request.
         raise UsageError(f"--max-model-len={options.max_model_len}: the KV cache holds "
@@ -483,7 +501,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                   end="", file=sys.stderr, flush=True)
 
         result = simulate(options, trace=out, hash_trace=args.check_determinism,
-                          progress=bar if interactive else None)
+                          progress=bar if interactive else None,
+                          stop_at_first=not args.keep_going)
         if interactive:
             print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     finally:
@@ -491,7 +510,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
             out.close()
     determinism = None
     if args.check_determinism:
-        again = simulate(options, hash_trace=True)
+        again = simulate(options, hash_trace=True, stop_at_first=not args.keep_going)
         determinism = {"first": result.trace_sha256, "second": again.trace_sha256,
                        "identical": result.trace_sha256 == again.trace_sha256}
     ok = result.ok and (determinism is None or determinism["identical"])
@@ -821,6 +840,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="run the deterministic simulator (the main job)")
     add_sim_options(sim)
     sim.add_argument("--trace", help="write the run's trace (JSON Lines) here")
+    sim.add_argument("--keep-going", action="store_true",
+                     help="run to the end past violations (to measure a buggy protocol's "
+                     "figures); the figures count violations by invariant")
     sim.add_argument("--check-determinism", action="store_true",
                      help="run twice and compare the traces' hashes")
     sim.add_argument("--json", action="store_true")

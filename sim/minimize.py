@@ -26,7 +26,7 @@ import attrs
 from kvstate.trace import TraceError, TraceReader
 from kvstate.variants import VARIANTS
 from sim.faults import SITES
-from sim.runner import SimOptions, SimResult, build_configs, simulate
+from sim.runner import SimOptions, SimResult, build_configs, parse_groups, simulate
 
 # What a trace header's simulator options may ask for: minimize re-runs them
 # up to --max-runs times, so a hostile header must not buy unbounded work.
@@ -34,8 +34,9 @@ OPTION_LIMITS: dict[str, float] = {
     "seed": 1 << 63, "requests": 100_000, "rate": 1e9, "scale": 1 << 20, "world_size": 64,
     "put_step": 64, "block_size": 4096, "num_blocks": 1 << 20, "store_capacity": 1 << 24,
     "token_budget": 1 << 20, "settle_time": 1e6, "max_model_len": 1 << 30,
+    "alignment": 1 << 20,
 }
-OPTION_ZERO = {"seed", "max_model_len"}  # integer options where 0 is meaningful
+OPTION_ZERO = {"seed", "max_model_len", "alignment"}  # integer options where 0 is meaningful
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "protocol": tuple(VARIANTS), "setup": ("both", "pd"), "workload": ("synthetic", "fast25"),
 }
@@ -76,6 +77,15 @@ def options_from_trace(path: str | Path) -> SimOptions:
                 raise TraceError(where, field, f"expected a number in (0, "
                                  f"{OPTION_LIMITS[name]:g}], got {value!r}")
             value = float(value)
+        elif name == "groups":
+            if type(value) is not list or not all(type(v) is str for v in value) \
+                    or len(value) > 64:
+                raise TraceError(where, field, f"expected a list of groups, got {value!r}")
+            try:
+                parse_groups(tuple(value))
+            except ValueError as exc:
+                raise TraceError(where, field, str(exc)) from None
+            value = tuple(value)
         elif isinstance(default, tuple):  # faults
             if type(value) is not list or not all(type(v) is str for v in value):
                 raise TraceError(where, field, f"expected a list of fault sites, got {value!r}")

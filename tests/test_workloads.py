@@ -12,8 +12,13 @@ from pathlib import Path
 import attrs
 import pytest
 
+from kvstate.config import ConnectorConfig, GroupKind, GroupSpec
+from kvstate.events import BlockStored, OrderedQuorum
 from kvstate.harness import Harness
+from kvstate.invariants import Monitor
 from kvstate.keys import HashChain
+from kvstate.observations import Settled
+from kvstate.records import Settlement
 from sim.cli import main
 from sim.engine import SimEngine
 from sim.runner import SimOptions, simulate
@@ -330,3 +335,118 @@ def test_preemption_storm_republishes_nothing_at_resumptions(num_blocks: int) ->
     assert f["events_republished"] == 0, f
     assert f["event_duplicate_ratio"] < 0.37, f
     assert f["events_per_stored_chunk"] < 1.45, f
+
+
+# ---------------------------------------------------------------------------
+# 5. Several KV-cache groups: everything keyed by (group, hash).
+# A hybrid model's groups store the same chunks under the same hashes (the
+# request's hash chain), in keys that differ only in their `@group:` segment.
+
+def _groups_config(*groups: GroupSpec, world_size: int = 1, put_step: int = 1) -> ConnectorConfig:
+    return ConnectorConfig(block_size=4, world_size=world_size, put_step=put_step,
+                           enable_kv_events=True, groups=groups, alignment=16)
+
+
+FIRST, SECOND = b"\x01" * 16, b"\x02" * 16  # two chained chunks of one request
+
+
+def _event(digest: bytes, parent: bytes | None, group: int) -> BlockStored:
+    return BlockStored((digest,), parent, (), 4, group)
+
+
+def test_a_second_groups_events_are_published_not_dropped() -> None:
+    """Two full-attention groups announce the same chunks: a quorum that
+    remembered published chunks by hash dropped the second group's first
+    chunk as a duplicate (counted nowhere) and then published its child, an
+    orphan in group 1."""
+    quorum = OrderedQuorum(_groups_config(GroupSpec(), GroupSpec()))
+    events = (_event(FIRST, None, 0), _event(FIRST, None, 1),
+              _event(SECOND, FIRST, 0), _event(SECOND, FIRST, 1))
+    published = quorum.add(("a", 1), 0, events)
+    assert sorted((e.group_idx, e.block_hashes[-1]) for e in published) == [
+        (0, FIRST), (0, SECOND), (1, FIRST), (1, SECOND)]
+    assert quorum.generation_settled(("a", 1)) == 0  # nothing left waiting or dropped
+
+
+def test_a_full_attention_child_waits_for_its_own_groups_parent() -> None:
+    """MLA-style striding over a hybrid model (2 ranks, put_step 2): rank 1
+    owns the sliding-window group's first chunk and the full group's second.
+    Its report must not let the sliding-window copy of the first chunk stand
+    in for the full group's parent."""
+    quorum = OrderedQuorum(_groups_config(
+        GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 8), world_size=2, put_step=2))
+    gen = ("a", 1)
+    early = quorum.add(gen, 1, (_event(FIRST, None, 1), _event(SECOND, FIRST, 0)))
+    assert [(e.group_idx, e.block_hashes[-1]) for e in early] == [(1, FIRST)]
+    late = quorum.add(gen, 0, (_event(FIRST, None, 0),))
+    assert [(e.group_idx, e.block_hashes[-1]) for e in late] == [(0, FIRST), (0, SECOND)]
+
+
+def test_the_orphan_check_is_keyed_by_group() -> None:
+    """K4: a full-attention event whose parent only another group announced
+    is an orphan in its own group's chain; a sliding-window group's sparse
+    chain needs no parent."""
+    config = _groups_config(GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 8))
+    monitor = Monitor(config, only=("K4",))
+    monitor.observe(Settled(Settlement(published=(
+        _event(FIRST, None, 1), _event(SECOND, FIRST, 0)))))
+    assert [f.invariant for f in monitor.findings] == ["K4"]
+    assert "group 0" in monitor.findings[0].message
+    monitor = Monitor(config, only=("K4",))
+    monitor.observe(Settled(Settlement(published=(
+        _event(FIRST, None, 0), _event(SECOND, FIRST, 0), _event(SECOND, FIRST, 1)))))
+    assert monitor.findings == []
+
+
+@pytest.mark.parametrize("groups, extra", [
+    (("full", "swa:8"), {"alignment": 16, "put_step": 2}),  # hybrid with MLA-style striding
+    (("full", "full"), {}),
+    (("full", "swa:8"), {"alignment": 16, "setup": "pd"}),
+])
+def test_two_group_setups_run_clean_in_the_simulator(groups: tuple[str, ...],
+                                                     extra: dict[str, object]) -> None:
+    """With the hash-keyed quorum each of these runs published an orphan (K4
+    on its first 40 requests); now every group's events arrive in chain order."""
+    result = simulate(SimOptions(requests=40, groups=groups, **extra))  # type: ignore[arg-type]
+    assert result.ok, result.findings[:2]
+    assert result.figures["liveness_ok"]
+    assert result.figures["events_published"] > 0
+
+
+def test_the_sliding_window_group_stores_only_its_window_and_announces_it() -> None:
+    """A window of 8 tokens in 16-token segments of 4-token blocks keeps the
+    2 blocks before each boundary: of a 32-token prompt the sliding-window
+    group stores chunks 2, 3, 6, 7 and announces exactly those, the full
+    group all 8, each in chain order."""
+    from kvstate.scenarios import prompt
+
+    config = attrs.evolve(_groups_config(GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 8),
+                                         world_size=2), save_decode_cache=True)
+    h = Harness(config, "kvstate", num_blocks=64)
+    h.add("a", prompt(33), max_new_tokens=1)
+    h.step()
+    h.run_ranks()
+    h.settle()
+    assert not h.monitor.findings
+    hashes = HashChain(4, prompt(33)).hashes
+    for group, chunks in ((0, range(8)), (1, (2, 3, 6, 7))):
+        stored = {k.rpartition("@")[2] for k in h.store.objects if f"@group:{group}@" in k}
+        assert stored == {hashes[c].hex() for c in chunks}, group
+        announced = [e.block_hashes[-1] for e in h.published if e.group_idx == group]
+        assert announced == [hashes[c] for c in chunks], group
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--groups", "full,swa"], "swa:W"),
+    (["--groups", "full,swa:0"], "swa:W"),
+    (["--groups", "full,,swa:8"], "expected 'full'"),
+    (["--groups", "full,swa:8", "--alignment", "6"], "alignment"),
+])
+def test_bad_groups_are_a_usage_error(argv: list[str], why: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(["sim", *argv])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2
+    assert why in capsys.readouterr().err
