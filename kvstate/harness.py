@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from kvstate.block_pool import BlockPool
 from kvstate.config import ConnectorConfig
-from kvstate.executor import Executor, RankJob
+from kvstate.executor import Executor
 from kvstate.invariants import Monitor
 from kvstate.keys import HashChain, cdiv, chunk_hash
 from kvstate.memory_store import MemoryStore, StoreRaised
@@ -39,6 +40,13 @@ from kvstate.observations import (
     StoreCallRaised,
 )
 from kvstate.planner import Planner
+from kvstate.protocols import (
+    ExecutorFactory,
+    ExecutorProtocol,
+    PlannerFactory,
+    PlannerProtocol,
+    StoreProtocol,
+)
 from kvstate.records import (
     CachedRequest,
     ExistsCall,
@@ -105,7 +113,7 @@ class Harness:
         config: ConnectorConfig,
         variant: str | Variant = "kvstate",
         num_blocks: int = 256,
-        store: MemoryStore | None = None,
+        store: StoreProtocol | None = None,
         token_budget: int = 1 << 30,
         monitor: Monitor | None = None,
         *,
@@ -114,8 +122,8 @@ class Harness:
         auto_preempt: bool = False,
         sink: Callable[[Observation], None] | None = None,
         clock: Callable[[], float] | None = None,
-        planner_factory: Callable[..., Planner] | None = None,
-        executor_factory: Callable[..., Executor] | None = None,
+        planner_factory: PlannerFactory | None = None,
+        executor_factory: ExecutorFactory | None = None,
     ) -> None:
         self.config = config
         self.variant = get_variant(variant) if isinstance(variant, str) else variant
@@ -129,14 +137,15 @@ class Harness:
         self.now = 0.0
         self.clock = clock if clock is not None else self.virtual_now
         self.pool = BlockPool(num_blocks, self.observe)
-        self.store = store if store is not None else MemoryStore()
+        self.store: StoreProtocol = store if store is not None else MemoryStore()
         # Factories let another implementation of the same interfaces (your own
         # connector bookkeeping) run under this engine, these monitors and the
-        # kvstate.testing machine.
-        self.planner = (planner_factory or Planner)(config, self.variant)
-        self.ranks = [
-            (executor_factory or Executor)(config, r, self.variant, clock=self.clock,
-                                           observer=self.observe)
+        # kvstate.testing machine (kvstate.protocols says what they must offer).
+        make_planner: PlannerFactory = planner_factory or Planner
+        make_executor: ExecutorFactory = executor_factory or Executor
+        self.planner: PlannerProtocol = make_planner(config, self.variant)
+        self.ranks: list[ExecutorProtocol[Any]] = [
+            make_executor(config, r, self.variant, clock=self.clock, observer=self.observe)
             for r in range(config.world_size)
         ]
         self.token_budget = token_budget
@@ -145,7 +154,8 @@ class Harness:
         self.waiting: deque[EngineRequest] = deque()
         self.finished: dict[str, EngineRequest] = {}
         self.outbox: list[Report] = []
-        self.current: dict[int, tuple[RankJob, ExistsCall | PutCall]] = {}
+        # rank -> (the job, as its executor's dequeue returned it; its pending call)
+        self.current: dict[int, tuple[Any, ExistsCall | PutCall]] = {}
         self.published: list = []
         self.published_count = 0
         self.plans: list[Plan] = []
@@ -437,7 +447,7 @@ class Harness:
     # ------------------------------------------------------------------
     # Loads.
 
-    def _load(self, executor: Executor, call: GetCall) -> None:
+    def _load(self, executor: ExecutorProtocol[Any], call: GetCall) -> None:
         ok: list[bool] = []
         for key, group, block in zip(call.keys, call.groups, call.block_ids):
             got = self.store.load(executor.rank, key, group, block)
@@ -508,7 +518,7 @@ class Harness:
             self.observe(StoreCallRaised(rank, job.meta.job_id, str(exc)))
             return self._handle(rank, job, executor.raised(job, str(exc)))
 
-    def _handle(self, rank: int, job: RankJob, out: ExistsCall | PutCall | Report | None) -> str:
+    def _handle(self, rank: int, job: Any, out: ExistsCall | PutCall | Report | None) -> str:
         if out is None:
             return "lost"
         if isinstance(out, Report):

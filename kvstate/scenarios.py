@@ -197,13 +197,14 @@ def evicted_and_reput(variant: str | Variant) -> Harness:
     twice (REFERENCE.md §6 S16: value-counting can publish early)."""
     answers = ScriptedAnswers().when("put", 1, lambda n, k: True, -800)
     config = ConnectorConfig(block_size=4, world_size=2, enable_kv_events=True)
-    h = Harness(config, variant, num_blocks=32, store=MemoryStore(answers))
+    store = MemoryStore(answers)
+    h = Harness(config, variant, num_blocks=32, store=store)
     h.add("a", prompt(8))
     h.add("b", prompt(8))
     h.step()
     while h.advance(0) != "reported":
         pass
-    for key in list(h.store.objects):
+    for key in list(store.objects):
         h.evict(key)
     h.run_ranks()
     h.settle()

@@ -14,8 +14,9 @@ the file: ``kvstate replay FILE`` reproduces it and ``kvstate check FILE``
 re-judges it.
 
 To test your own bookkeeping, subclass and give the machine factories that
-build your planner and executors (they must offer the methods of
-`kvstate.planner.Planner` and `kvstate.executor.Executor` the harness calls)::
+build your planner and executors (`kvstate.protocols.PlannerProtocol` and
+`kvstate.protocols.ExecutorProtocol` list the methods and attributes the
+harness uses)::
 
     class MyConnector(ConnectorMachine):
         planner_factory = MyPlanner
@@ -32,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,6 +46,7 @@ from kvstate.config import ConnectorConfig
 from kvstate.harness import Harness
 from kvstate.invariants import Monitor
 from kvstate.memory_store import MemoryStore, StoreRaised
+from kvstate.protocols import ExecutorFactory, PlannerFactory
 
 ANSWERS = (0, -200, -800, "raise")
 
@@ -62,8 +63,8 @@ class ConnectorMachine(RuleBasedStateMachine):
     # Distinct prompt families: 1 makes every prompt a prefix of one sequence,
     # so lookups hit and loads (and their failures) happen often.
     prompt_families: ClassVar[int] = 4
-    planner_factory: ClassVar[Callable[..., Any] | None] = None
-    executor_factory: ClassVar[Callable[..., Any] | None] = None
+    planner_factory: ClassVar[PlannerFactory | None] = None
+    executor_factory: ClassVar[ExecutorFactory | None] = None
 
     requests = Bundle("requests")
 
@@ -72,7 +73,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.rules_run = 0  # reported with a failure: the shrunk program's length
         self.answers: deque[int | str] = deque()
         self.get_answers: deque[int] = deque()
-        store = MemoryStore(self._answer)
+        self.store = store = MemoryStore(self._answer)
         self.h = Harness(self.config, self.variant, num_blocks=self.num_blocks, store=store,
                          token_budget=16, auto_preempt=True,
                          monitor=Monitor(self.config, only=self.only),
@@ -145,8 +146,8 @@ class ConnectorMachine(RuleBasedStateMachine):
     @rule()
     def evict(self) -> None:
         self.rules_run += 1
-        if self.h.store.objects:
-            self.h.evict(next(iter(self.h.store.objects)))
+        if self.store.objects:
+            self.h.evict(next(iter(self.store.objects)))
 
     @invariant()
     def catalogue_holds(self) -> None:

@@ -29,6 +29,7 @@ from kvstate.pins import (
     PinPolicy,
     PreemptionDropsPins,
 )
+from kvstate.protocols import MetadataPolicy, RetryPolicy
 
 # --------------------------------------------------------------------------
 # Scheduler-side policies.
@@ -348,7 +349,7 @@ class Variant:
     skip_prefill_save: Callable[[bool], bool] = consumer_skips_prefill
     skip_on_loading_step: Callable[[bool], bool] = loading_step_skips
     pins: PinPolicy = IncrementalPins()
-    metadata: Any = DeltaMetadata
+    metadata: MetadataPolicy = DeltaMetadata
     quorum: Callable[[Any], EventQuorum] = OrderedQuorum
     lookup_namespaces: Callable[[int], range] = all_namespaces
     # worker side
@@ -357,7 +358,7 @@ class Variant:
     offset_after_failure: Callable[[int, int, int], int] = offset_to_first_failure
     parent: Callable[..., bytes | None] = parent_from_chain
     event_chunks: Callable[[Sequence[int], Sequence[int]], list[int]] = events_for_stored_prefix
-    retry: Any = GuardedRetry
+    retry: RetryPolicy = GuardedRetry
     skip_expired: Callable[[float, float, float], bool] = backoff_expires
     success_clears_pressure: Callable[[bool], bool] = any_success_clears
     # Upstream's ``finally`` keeps a pressure-skipped job's token suffix as retry

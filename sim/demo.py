@@ -27,7 +27,8 @@ def run_demo(variant: str) -> dict[str, Any]:
         .when("put", 1, lambda n, k: n == 5, -800)
         .when("put", 1, lambda n, k: n == 9, StoreRaised("connection reset"))
     )
-    h = Harness(demo_config(), variant, num_blocks=40, store=MemoryStore(answers))
+    store = MemoryStore(answers)
+    h = Harness(demo_config(), variant, num_blocks=40, store=store)
     shared = prompt(8, salt=1)
     h.add("chat-1", shared + prompt(6, salt=2), max_new_tokens=10)
     h.add("chat-2", shared + prompt(3, salt=3), max_new_tokens=8)
@@ -69,7 +70,7 @@ def run_demo(variant: str) -> dict[str, Any]:
         "dedup_hits": present,
         "puts": len(puts),
         "puts_failed": sum(1 for p in puts if p.code != 0),
-        "keys_stored": len(h.store.objects),
+        "keys_stored": len(store.objects),
         "events_published": len(h.published),
         "pins": sum(len(p.pins) for p in h.plans),
         "metadata_block_ids": sum(len(t) for p in h.plans for m in p.saves for t in m.block_ids),

@@ -70,7 +70,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -79,6 +79,7 @@ from kvstate.executor import Executor
 from kvstate.harness import Harness
 from kvstate.invariants import Monitor
 from kvstate.memory_store import MemoryStore, StoreRaised
+from kvstate.planner import Planner
 from kvstate.records import PutCall
 from kvstate.variants import get_variant
 
@@ -351,9 +352,10 @@ def initial(scope: Scope, variant: str, *, reduce: bool = True,
     if reduce:
         h.now = Tick(0)
         h.pool.free = deque(BlockId(b) for b in h.pool.free)
-        h.planner._next_job_id = JobNo(h.planner._next_job_id)
-        h.planner._next_generation = GenerationNo(h.planner._next_generation)
-        h.planner._step = StepNo(h.planner._step)
+        planner = cast(Planner, h.planner)
+        planner._next_job_id = JobNo(planner._next_job_id)
+        planner._next_generation = GenerationNo(planner._next_generation)
+        planner._step = StepNo(planner._step)
         h.monitor.index = ObservationNo(h.monitor.index)
         h.monitor.last_job_id = JobNo(h.monitor.last_job_id)
     return System(h, answers, (False,) * len(scope.requests), scope.faults, scope.evictions,
@@ -401,7 +403,7 @@ def enabled(scope: Scope, s: System) -> list[Action]:
         answers = scope.put_answers if isinstance(current[1], PutCall) else ("ok", "raise")
         out += [("rank", rank, a) for a in answers if a == "ok" or s.faults]
     if s.evictions:
-        out += [("evict", key) for key in sorted(h.store.objects)]
+        out += [("evict", key) for key in sorted(cast(MemoryStore, h.store).objects)]
     return out
 
 
