@@ -628,3 +628,68 @@ def bench_hypothesis(examples: int = 100, steps: int = 40) -> dict[str, Any]:
         out[f"{label} steps/s"] = round(done / seconds)
     out["connector / trivial"] = round(out["connector steps/s"] / out["trivial steps/s"], 3)
     return out
+
+
+# --------------------------------------------------------------------------
+# Verification at scale (issue 11): model checker and campaign throughput.
+
+
+def bench_modelcheck(scope: str = "default", max_states: int | None = 15_000,
+                     workers: Sequence[int] | None = None) -> dict[str, Any]:
+    """States per second of the legacy and the compact model-checker engine
+    on one scope, in the same run and on the same states (breadth-first order
+    is the same, so ``max_states`` cuts both at the same point); the compact
+    engine also with every core. Both must report the same counts."""
+    import os
+
+    from sim.modelcheck import SCOPES, check
+
+    sc = SCOPES[scope]
+    runs: dict[str, Any] = {}
+    counts = set()
+    plan = [("legacy", 1), ("compact", 1)]
+    for n in workers or sorted({2, os.cpu_count() or 1}):
+        if n > 1:
+            plan.append(("compact", n))
+    for engine, n in plan:
+        r = check(sc, "kvstate", engine=engine, workers=n, max_states=max_states, out_dir=None)
+        counts.add((r.states, r.transitions, r.quiet_states, r.exhaustive))
+        runs[f"{engine}_w{n}"] = {"states": r.states, "transitions": r.transitions,
+                                  "seconds": round(r.seconds, 2),
+                                  "states_per_s": round(r.states_per_second)}
+    legacy = runs["legacy_w1"]["states_per_s"] or 1
+    figures: dict[str, Any] = {"scope": scope, "max_states": max_states,
+                               "same_counts": len(counts) == 1}
+    for name, row in runs.items():
+        figures[f"{name}_states_per_s"] = row["states_per_s"]
+        if name != "legacy_w1":
+            figures[f"ratio_{name}_to_legacy"] = round(row["states_per_s"] / legacy, 2)
+    figures["states"] = runs["legacy_w1"]["states"]
+    figures["transitions"] = runs["legacy_w1"]["transitions"]
+    return figures
+
+
+def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
+                   workers: Sequence[int] | None = None) -> dict[str, Any]:
+    """Seeds per second of a campaign with 1, 2 and all workers (the same
+    seeds each time; the aggregated results must be equal)."""
+    import os
+
+    from sim.campaign import campaign, summary
+
+    counts = workers or sorted({1, 2, os.cpu_count() or 1})
+    figures: dict[str, Any] = {"seeds": seeds, "protocol": protocol}
+    outcomes = []
+    base = None
+    for n in counts:
+        r = campaign(protocol, seeds=seeds, workers=n)
+        doc = summary(r)
+        outcomes.append({k: v for k, v in doc.items() if k not in ("seconds", "first_found")})
+        rate = r.runs / r.seconds if r.seconds else 0.0
+        figures[f"seeds_per_s_w{n}"] = round(rate, 2)
+        if base is None:
+            base = rate or 1.0
+        else:
+            figures[f"speedup_w{n}"] = round(rate / base, 2)
+    figures["same_results"] = all(o == outcomes[0] for o in outcomes)
+    return figures

@@ -10,7 +10,7 @@ that never fired means the campaign proved nothing about it.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -39,6 +39,104 @@ class CampaignResult:
         return not self.counts
 
 
+@attrs.frozen
+class SeedOutcome:
+    """What one seed's run contributes to a campaign (small: it crosses
+    process and cluster boundaries)."""
+
+    seed: int
+    command: str
+    fired: tuple[tuple[str, int], ...]
+    # invariant -> first observation index at which it broke in this run
+    found: tuple[tuple[str, int], ...]
+
+
+def seed_options(base: SimOptions, protocol: str, seed: int,
+                 setups: Sequence[str]) -> SimOptions:
+    # Vary the shape too: both setups, and every other pair of seeds with
+    # MLA-style striding (each chunk stored by one rank).
+    return attrs.evolve(base, seed=seed, protocol=protocol, setup=setups[seed % len(setups)],
+                        put_step=base.world_size if seed % 4 >= 2 else base.put_step)
+
+
+def run_seed(base: SimOptions, protocol: str, seed: int, setups: Sequence[str]) -> SeedOutcome:
+    """One campaign seed (a module-level function: workers and Ray tasks
+    import it by name)."""
+    options = seed_options(base, protocol, seed, setups)
+    result = simulate(options, stop_at_first=False)
+    found: dict[str, int] = {}
+    for _, f in result.findings:
+        found[f.invariant] = min(found.get(f.invariant, f.event_index), f.event_index)
+    return SeedOutcome(seed, options.command(), tuple(sorted(result.fault_fired.items())),
+                       tuple(sorted(found.items())))
+
+
+class _Inline:
+    def submit(self, *args: Any) -> Any:
+        return args
+
+    def result(self, handle: Any) -> SeedOutcome:
+        return run_seed(*handle)
+
+    def close(self) -> None:
+        pass
+
+
+class _Processes:
+    """A local process pool (fork where available: no re-import per worker)."""
+
+    def __init__(self, workers: int) -> None:
+        import multiprocessing
+
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        self.pool = ctx.Pool(workers)
+
+    def submit(self, *args: Any) -> Any:
+        return self.pool.apply_async(run_seed, args)
+
+    def result(self, handle: Any) -> SeedOutcome:
+        outcome: SeedOutcome = handle.get()
+        return outcome
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
+class _Ray:
+    """Seeds as Ray tasks on the cluster at ``address`` (``local`` starts a
+    local instance). Ray is an optional extra: ``pip install 'kvstate[ray]'``."""
+
+    def __init__(self, address: str) -> None:
+        try:
+            import ray
+        except ImportError as e:  # the CLI turns this into exit 2
+            raise RuntimeError("--ray needs Ray: pip install 'ray>=2.9' "
+                               "(or the project's ray extra)") from e
+        self.ray = ray
+        self.started = not ray.is_initialized()
+        if self.started:
+            ray.init(address=None if address == "local" else address,
+                     include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        self.remote = ray.remote(run_seed)
+
+    def submit(self, *args: Any) -> Any:
+        return self.remote.remote(*args)
+
+    def result(self, handle: Any) -> SeedOutcome:
+        outcome: SeedOutcome = self.ray.get(handle)
+        return outcome
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()
+
+    @property
+    def workers(self) -> int:
+        return max(1, int(self.ray.cluster_resources().get("CPU", 1)))
+
+
 def campaign(
     protocol: str,
     budget: float = 60.0,
@@ -49,11 +147,34 @@ def campaign(
     stop_when_found: bool = False,
     progress: Callable[[str], None] | None = None,
     stop_when: Collection[str] = (),
+    workers: int = 1,
+    ray_address: str | None = None,
 ) -> CampaignResult:
     """Seeds until the budget (or ``seeds``) is spent; ``stop_when_found``
     stops at the first run with any violation, ``stop_when`` at the first
-    run that violates one of the named invariants."""
+    run that violates one of the named invariants.
+
+    ``workers`` processes (or Ray tasks on ``ray_address``) run seeds ahead
+    of the aggregation, a bounded window of them; results are folded in seed
+    order, never in arrival order, so with ``seeds`` the result (runs,
+    counts, fired sites, each invariant's first command and index) is the
+    same for any number of workers, and a stop condition stops at the same
+    seed as a sequential campaign (seeds run ahead of it are dropped). Only
+    the wall-clock figures (``seconds``, ``first_found``) differ. With a time
+    budget, the seeds folded are the in-order prefix finished in time."""
     base = base or SimOptions()
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, not {workers}")
+    runner: Any
+    if ray_address is not None:
+        runner = _Ray(ray_address)
+        window = 2 * runner.workers
+    elif workers > 1:
+        runner = _Processes(workers)
+        window = 2 * workers
+    else:
+        runner = _Inline()
+        window = 1
     started = time.perf_counter()
     first_found: dict[str, float] = {}
     first_command: dict[str, str] = {}
@@ -61,32 +182,34 @@ def campaign(
     counts: Counter[str] = Counter()
     fired: Counter[str] = Counter()
     runs = 0
-    seed = start_seed
-    while True:
-        elapsed = time.perf_counter() - started
-        if (seeds is not None and runs >= seeds) or (seeds is None and elapsed >= budget):
-            break
-        # Vary the shape too: both setups, and every other pair of seeds with
-        # MLA-style striding (each chunk stored by one rank).
-        options = attrs.evolve(base, seed=seed, protocol=protocol,
-                               setup=setups[seed % len(setups)],
-                               put_step=base.world_size if seed % 4 >= 2 else base.put_step)
-        result = simulate(options, stop_at_first=False)
-        runs += 1
-        seed += 1
-        fired.update(result.fault_fired)
-        for invariant in {f.invariant for _, f in result.findings}:
-            counts[invariant] += 1
-            if invariant not in first_found:
-                first_found[invariant] = round(time.perf_counter() - started, 3)
-                first_command[invariant] = options.command()
-                first_index[invariant] = min(
-                    f.event_index for _, f in result.findings if f.invariant == invariant)
-        if progress is not None:
-            progress(f"{protocol}: {runs} runs, {time.perf_counter() - started:.1f}s, "
-                     f"found {sorted(first_found) or 'nothing'}")
-        if (stop_when_found and counts) or any(i in counts for i in stop_when):
-            break
+    submitted: deque[Any] = deque()
+    next_seed = start_seed
+    try:
+        while True:
+            elapsed = time.perf_counter() - started
+            out_of_budget = seeds is None and elapsed >= budget
+            while not out_of_budget and len(submitted) < window and (
+                    seeds is None or next_seed < start_seed + seeds):
+                submitted.append(runner.submit(base, protocol, next_seed, tuple(setups)))
+                next_seed += 1
+            if not submitted or out_of_budget:
+                break
+            outcome: SeedOutcome = runner.result(submitted.popleft())
+            runs += 1
+            fired.update(dict(outcome.fired))
+            for invariant, index in outcome.found:
+                counts[invariant] += 1
+                if invariant not in first_found:
+                    first_found[invariant] = round(time.perf_counter() - started, 3)
+                    first_command[invariant] = outcome.command
+                    first_index[invariant] = index
+            if progress is not None:
+                progress(f"{protocol}: {runs} runs, {time.perf_counter() - started:.1f}s, "
+                         f"found {sorted(first_found) or 'nothing'}")
+            if (stop_when_found and counts) or any(i in counts for i in stop_when):
+                break
+    finally:
+        runner.close()
     configured = base.faults
     return CampaignResult(protocol, runs, round(time.perf_counter() - started, 3), first_found,
                           first_command, dict(counts), dict(fired),

@@ -74,7 +74,7 @@ from typing import Any, cast
 
 import attrs
 
-from kvstate.config import ConnectorConfig, Role
+from kvstate.config import ConnectorConfig, GroupKind, GroupSpec, Role
 from kvstate.executor import Executor
 from kvstate.harness import Harness
 from kvstate.invariants import Monitor
@@ -228,12 +228,14 @@ class Scope:
     preemptions: int = 1
     aborts: int = 0
     put_answers: tuple[str, ...] = ("ok", "-200", "-800", "raise")
+    groups: tuple[GroupSpec, ...] = (GroupSpec(),)
+    alignment: int | None = None
 
     def config(self) -> ConnectorConfig:
         return ConnectorConfig(
             role=self.role, block_size=self.block_size, world_size=self.world_size,
             put_step=self.put_step, save_decode_cache=True, enable_kv_events=True,
-            pressure_backoff=1.0)
+            pressure_backoff=1.0, groups=self.groups, alignment=self.alignment)
 
     def describe(self) -> str:
         reqs = ", ".join(
@@ -288,6 +290,12 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
     Scope("pd", "a decode node (kv_consumer) whose prompt KV was transferred, one fault",
           (ScopeRequest("a", (1, 2, 3, 4, 5), decode=2, lookup=False, transferred=True),),
           role=Role.CONSUMER, faults=1, evictions=0, preemptions=0),
+    Scope("hybrid", "two KV-cache groups sharing hashes (full attention and a 2-token sliding "
+          "window that keeps the block before each 4-token boundary) with MLA-style striding: "
+          "a chunk's groups are owned by different ranks; one fault",
+          (ScopeRequest("a", (1, 2, 3, 4, 5), decode=1),), put_step=2, num_blocks=8,
+          evictions=0, preemptions=0, alignment=4,
+          groups=(GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 2))),
     Scope("large", "two ids, one reused, a decode step, a fault, an eviction, a preemption "
           "and an abort per path (millions of states: bug hunting with --budget)",
           (_A1, _B, _A2), faults=1, evictions=1, preemptions=1, aborts=1),
@@ -510,13 +518,38 @@ def _dumps(s: System) -> bytes:
     return pickle.dumps(s, protocol=5)
 
 
+ENGINES = ("compact", "legacy")
+
+
 def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = None,
           max_states: int | None = None, reduce: bool = True, out_dir: str | None = ".",
           progress: Callable[[Result], None] | None = None,
-          only: Sequence[str] | None = None) -> Result:
+          only: Sequence[str] | None = None, engine: str = "compact",
+          workers: int = 1) -> Result:
     """Explore ``scope`` under ``protocol`` breadth-first; stop at the first
     violation (which is then a shortest one), when every reachable state was
-    visited, or when ``budget`` seconds / ``max_states`` run out."""
+    visited, or when ``budget`` seconds / ``max_states`` run out.
+
+    ``engine``: ``compact`` (`sim.mc_compact`: level-synchronous, no cyclic
+    garbage, ``workers`` processes expanding the frontier) or ``legacy`` (the
+    original loop, kept for the differential test: both must agree on
+    verdicts, state counts and counterexample lengths)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown model-checker engine {engine!r}; known: {', '.join(ENGINES)}")
+    if engine == "compact":
+        from sim.mc_compact import check_compact
+
+        return check_compact(scope, protocol, budget=budget, max_states=max_states,
+                             reduce=reduce, out_dir=out_dir, progress=progress, only=only,
+                             workers=workers)
+    return _check_legacy(scope, protocol, budget=budget, max_states=max_states, reduce=reduce,
+                         out_dir=out_dir, progress=progress, only=only)
+
+
+def _check_legacy(scope: Scope, protocol: str = "kvstate", *, budget: float | None = None,
+                  max_states: int | None = None, reduce: bool = True,
+                  out_dir: str | None = ".", progress: Callable[[Result], None] | None = None,
+                  only: Sequence[str] | None = None) -> Result:
     get_variant(protocol)  # a clear error for an unknown name, before any work
     symmetric = _symmetric(scope) if reduce else set()
     result = Result(scope.name, protocol)
@@ -602,6 +635,15 @@ def path_to(parents: dict[bytes, tuple[bytes, Action] | None], key: bytes) -> li
 def _violation(scope: Scope, protocol: str, parents: dict[bytes, tuple[bytes, Action] | None],
                key: bytes, action: Action, s: System, out_dir: str | None) -> Violation:
     first = s.h.monitor.findings[0]
+    return violation_at(scope, protocol, parents, key, action, first.invariant, first.message,
+                        out_dir)
+
+
+def violation_at(scope: Scope, protocol: str,
+                 parents: dict[bytes, tuple[bytes, Action] | None], key: bytes, action: Action,
+                 invariant: str, message: str, out_dir: str | None) -> Violation:
+    """The violation reached by ``action`` from state ``key``: its shortest
+    path, replayed into a trace file under ``out_dir``."""
     actions = (*path_to(parents, key), action)
     trace = None
     if out_dir is not None:
@@ -612,7 +654,7 @@ def _violation(scope: Scope, protocol: str, parents: dict[bytes, tuple[bytes, Ac
         path = folder / f"modelcheck-{protocol}-{scope.name}-{name}.jsonl"
         path.write_text(text)
         trace = str(path)
-    return Violation(first.invariant, first.message, actions, trace)
+    return Violation(invariant, message, actions, trace)
 
 
 def replay_actions(scope: Scope, protocol: str, actions: tuple[Action, ...]) -> str:
