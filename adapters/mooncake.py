@@ -174,7 +174,7 @@ class MooncakeStore:
             raise TimeoutError(f"mooncake {what} did not return within {timeout}s")
         if pending.error is not None:
             raise pending.error
-        return pending.value  # type: ignore[return-value]
+        return pending.value
 
     def register(self, ptr: int, size: int) -> None:
         rc = self._bounded(lambda: self._store.register_buffer(ptr, size), self.timeout,

@@ -221,9 +221,9 @@ def cmd_modelcheck(args: argparse.Namespace) -> int:
             print("\nspec smell: table entries that no run fired, though "
                   f"{', '.join(exhausted)} visited every reachable state (reachable only "
                   "in a wider scope, or an entry nothing can take):")
-            for r in rows:
-                for state, event in r.unseen:
-                    print(f"  {r.machine}: {state} --{event}-->")
+            for row in rows:
+                for state, event in row.unseen:
+                    print(f"  {row.machine}: {state} --{event}-->")
     if not ok:
         return 1
     return 0 if complete or not args.require_exhaustive else 1
@@ -508,7 +508,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     finally:
         if out is not None:
             out.close()
-    determinism = None
+    determinism: dict[str, Any] | None = None
     if args.check_determinism:
         again = simulate(options, hash_trace=True, stop_at_first=not args.keep_going)
         determinism = {"first": result.trace_sha256, "second": again.trace_sha256,

@@ -21,10 +21,10 @@ class Kernel:
         self.rng = random.Random(seed)
         self.now = 0.0
         self.processed = 0
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, Callable[[], object]]] = []
         self._seq = 0
 
-    def schedule(self, delay: float, action: Callable[[], None]) -> None:
+    def schedule(self, delay: float, action: Callable[[], object]) -> None:
         if delay < 0:
             raise ValueError(f"Kernel.schedule: negative delay {delay}")
         self._seq += 1

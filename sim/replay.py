@@ -262,10 +262,11 @@ def _apply(engine: _EngineReplay, obs: Any, absent: frozenset[str] = frozenset()
             raise _Mismatch("LoadDone", obs, "no load planned for it")
         calls.remove(call)
         failed = set(obs.failed_block_ids)
-        report = engine.executors[obs.rank].load_answered(
+        load_report = engine.executors[obs.rank].load_answered(
             call, [b not in failed for b in call.block_ids])
-        _same("LoadDone.reported_block_ids", obs.reported_block_ids, report.failed_block_ids)
-        engine.load_reports.append(report)
+        _same("LoadDone.reported_block_ids", obs.reported_block_ids,
+              load_report.failed_block_ids)
+        engine.load_reports.append(load_report)
         return 1
     elif isinstance(obs, ExistsAnswered):
         job, call = _current(engine, obs.rank, obs.job_id, ExistsCall)

@@ -149,7 +149,7 @@ class _Recorder:
             kind = type(obs)
             if kind is Settled:
                 announced = self.announced
-                settlement = obs.settlement  # type: ignore[attr-defined]
+                settlement = obs.settlement  # type: ignore[union-attr]
                 self.pins_held -= sum(1 for b in settlement.releases if b != NULL_BLOCK_ID)
                 by = settlement.published_by
                 for i, event in enumerate(settlement.published):
@@ -166,14 +166,14 @@ class _Recorder:
                                 self.republished += 1
                             mine.add(key)
             elif kind is Planned:
-                plan = obs.plan  # type: ignore[attr-defined]
+                plan = obs.plan  # type: ignore[union-attr]
                 self.pins_held += sum(1 for b in plan.pins if b != NULL_BLOCK_ID) - sum(
                     1 for b in plan.releases if b != NULL_BLOCK_ID)
                 self.peak_pins = max(self.peak_pins, self.pins_held)
                 for req_id, gen in plan.finished:
                     self.by_request[(engine, req_id)] = (gen, set())
-            elif kind is PutDone and obs.accepted:  # type: ignore[attr-defined]
-                self.stored.add((obs.group, obs.key.rsplit("@", 1)[1]))  # type: ignore[attr-defined]
+            elif kind is PutDone and obs.accepted:  # type: ignore[union-attr]
+                self.stored.add((obs.group, obs.key.rsplit("@", 1)[1]))  # type: ignore[union-attr]
             if consumer is not None:
                 if type(obs) is Settled:
                     for event in obs.settlement.published:
@@ -239,7 +239,7 @@ def parse_groups(specs: tuple[str, ...]) -> tuple[GroupSpec, ...]:
 
 
 def build_configs(options: SimOptions) -> list[ConnectorConfig]:
-    common = dict(block_size=options.block_size, world_size=options.world_size,
+    common: dict[str, Any] = dict(block_size=options.block_size, world_size=options.world_size,
                   put_step=options.put_step, enable_kv_events=options.events,
                   pressure_backoff=0.2, groups=parse_groups(options.groups),
                   alignment=options.alignment or None)
@@ -319,7 +319,7 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
     # Arrivals are fed lazily, one scheduled at a time, so a 100k-request
     # workload never sits in memory (the heap holds only the next arrival).
     feed = _arrivals(options, kernel)
-    counts = {"arrivals": 0, "last": 0.0, "done": False}
+    counts: dict[str, Any] = {"arrivals": 0, "last": 0.0, "done": False}
 
     def next_arrival() -> None:
         arrival = next(feed, None)

@@ -19,6 +19,7 @@ import random
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -211,7 +212,7 @@ def read_mooncake(path: Path) -> Iterator[tuple[float, int, int, list[int]]]:
             yield ts, input_len, output_len, hash_ids
 
 
-def _parse_line(raw: bytes, where: str) -> object:
+def _parse_line(raw: bytes, where: str) -> Any:  # a dict, checked by _fields
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -74,7 +74,8 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],  # type: ignore[typeddict-item]
+                        params,
                         use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
 

@@ -128,7 +128,7 @@ class EngineLog:
             if self._file is not None:
                 line = encode_observation(obs, self._index, 0, float(key[0]))
                 if observed_only:
-                    cut = observed_layer(json.loads(line))
+                    cut = observed_layer(json.loads(line))  # type: ignore[assignment]
                     line = json.dumps(cut, separators=(",", ":")) if cut is not None else ""
                 if line:
                     lines.append(line)

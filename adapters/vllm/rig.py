@@ -107,8 +107,8 @@ def tp_rank(rank: int, world: int) -> Iterator[None]:
     import vllm.distributed.parallel_state as ps
 
     saved = ps.get_tensor_model_parallel_rank, ps.get_tensor_model_parallel_world_size
-    ps.get_tensor_model_parallel_rank = lambda: rank  # type: ignore[assignment]
-    ps.get_tensor_model_parallel_world_size = lambda: world  # type: ignore[assignment]
+    ps.get_tensor_model_parallel_rank = lambda: rank
+    ps.get_tensor_model_parallel_world_size = lambda: world
     try:
         yield
     finally:
@@ -116,7 +116,7 @@ def tp_rank(rank: int, world: int) -> Iterator[None]:
 
 
 def make_vllm_config(model_dir: str, *, connector: str = "KvstateConnector",
-                     module: str = "adapters.vllm", role: str = "kv_both",
+                     module: str | None = "adapters.vllm", role: str = "kv_both",
                      extra: dict[str, Any] | None = None, block_size: int = 16,
                      num_blocks: int = 64, tp: int = 1, kv_events: bool = False,
                      max_num_batched_tokens: int = 256, max_model_len: int = 4096,
@@ -128,7 +128,8 @@ def make_vllm_config(model_dir: str, *, connector: str = "KvstateConnector",
                                 is_encoder_decoder=False)
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     transfer = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
-                                kv_role=role, kv_connector_extra_config=dict(extra or {}),
+                                kv_role=role,  # type: ignore[arg-type]  # vLLM checks it
+                                kv_connector_extra_config=dict(extra or {}),
                                 kv_load_failure_policy="recompute")
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
     config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache,
@@ -340,7 +341,7 @@ class Rig:
     def totals(self) -> dict[str, int]:
         """Every counter of the scheduler and all ranks since the rig started."""
         out: dict[str, int] = {}
-        sides = [self.connector.scheduler] if self.connector is not None else []
+        sides = [self.connector.scheduler] if self.connector is not None else []  # type: ignore[attr-defined]
         for side in sides:
             side.stats()
             for name, value in side.totals.items():
