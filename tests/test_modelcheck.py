@@ -202,3 +202,156 @@ def test_bench_tools_fills_a_variants_row(tmp_path, capsys) -> None:
     for tool in ("sim", "hypothesis", "modelcheck"):
         assert row[tool]["found"] in broken_by("e1"), (tool, row[tool])
         assert row[tool]["length"] > 0
+
+
+# ---------------------------------------------------------------------------
+# The compact engine against the legacy loop (issue 11): same verdicts, same
+# state counts, same shortest counterexamples.
+
+
+def _outcome(r) -> tuple:
+    v = r.violation
+    return (r.states, r.transitions, r.quiet_states, r.depth, r.exhaustive,
+            None if v is None else (v.invariant, v.actions))
+
+
+@pytest.mark.parametrize("variant", sorted(SCOPE_FINDS))
+def test_compact_engine_agrees_with_legacy_on_every_variant(variant: str) -> None:
+    from kvstate.invariants import broken_by
+
+    own = broken_by(variant)
+    for scope, only in ((SCOPES[SCOPE_FINDS[variant]], own), (TINY, None)):
+        legacy = check(scope, variant, engine="legacy", out_dir=None, only=only)
+        compact = check(scope, variant, engine="compact", out_dir=None, only=only)
+        assert _outcome(compact) == _outcome(legacy), (variant, scope.name)
+
+
+# (TWO_RANKS is left to the prefix test below: its legacy run alone takes ~25 s.)
+@pytest.mark.parametrize("scope", [TINY, TWINS_ONE_RANK], ids=lambda s: s.name)
+def test_compact_engine_agrees_with_legacy_exhaustively(scope: Scope) -> None:
+    legacy = check(scope, "kvstate", engine="legacy", out_dir=None)
+    assert legacy.exhaustive
+    for workers in (1, 2):
+        compact = check(scope, "kvstate", engine="compact", workers=workers, out_dir=None)
+        assert _outcome(compact) == _outcome(legacy), workers
+    if scope is TWINS_ONE_RANK:  # and without reductions
+        plain = check(scope, "kvstate", engine="legacy", out_dir=None, reduce=False)
+        assert _outcome(check(scope, "kvstate", out_dir=None, reduce=False)) == _outcome(plain)
+
+
+@pytest.mark.parametrize("name", sorted(SCOPES))
+def test_compact_engine_agrees_with_legacy_on_every_scope_prefix(name: str) -> None:
+    """The large scopes are too big for a test run of the legacy loop; both
+    engines visit states in the same order, so a state cap cuts both at the
+    same place and everything up to it must agree (workers included)."""
+    legacy = check(SCOPES[name], "kvstate", engine="legacy", out_dir=None, max_states=600)
+    for workers in (1, 2):
+        compact = check(SCOPES[name], "kvstate", engine="compact", workers=workers,
+                        out_dir=None, max_states=600)
+        assert _outcome(compact) == _outcome(legacy), (name, workers)
+
+
+def test_compact_engine_counterexample_with_workers_replays(tmp_path) -> None:
+    legacy = check(SCOPES["twins"], "save-on-loading-step", engine="legacy", out_dir=None)
+    r = check(SCOPES["twins"], "save-on-loading-step", workers=2, out_dir=str(tmp_path))
+    assert r.violation is not None and legacy.violation is not None
+    assert r.violation.actions == legacy.violation.actions
+    assert r.violation.trace is not None and replay_trace(r.violation.trace).ok
+
+
+def test_unknown_engine_and_bad_worker_counts_are_refused(capsys) -> None:
+    with pytest.raises(ValueError, match="engine"):
+        check(TINY, "kvstate", engine="nope")
+    with pytest.raises(ValueError, match="workers"):
+        check(TINY, "kvstate", workers=0)
+    with pytest.raises(SystemExit) as e:
+        main(["modelcheck", "--scope", "tiny", "--workers", "0"])
+    assert e.value.code == 2
+    capsys.readouterr()
+
+
+def test_compact_engine_leaves_the_garbage_collector_as_it_found_it() -> None:
+    import gc
+
+    assert gc.isenabled()
+    check(TINY, "kvstate", out_dir=None, max_states=200)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        check(TINY, "kvstate", out_dir=None, max_states=200)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_bench_modelcheck_reports_both_engines_on_the_same_states() -> None:
+    from sim.bench import bench_modelcheck
+
+    figures = bench_modelcheck("tiny", max_states=300, workers=[2])
+    assert figures["same_counts"] and figures["states"] == 300
+    assert figures["ratio_compact_w1_to_legacy"] > 0 and "ratio_compact_w2_to_legacy" in figures
+
+
+# ---------------------------------------------------------------------------
+# Campaigns across processes and Ray: folded in seed order, so the result
+# does not depend on the number of workers.
+
+def _small():
+    from sim.runner import SimOptions
+
+    return SimOptions(requests=24)
+
+
+def _deterministic(result) -> dict:
+    from sim.campaign import summary
+
+    return {k: v for k, v in summary(result).items() if k not in ("seconds", "first_found")}
+
+
+@pytest.mark.parametrize("protocol", ["kvstate", "e1"])
+def test_campaign_result_is_the_same_for_any_number_of_workers(protocol: str) -> None:
+    from sim.campaign import campaign
+
+    one = campaign(protocol, seeds=6, base=_small(), workers=1)
+    two = campaign(protocol, seeds=6, base=_small(), workers=2)
+    assert one.runs == two.runs == 6
+    assert _deterministic(one) == _deterministic(two)
+    if protocol == "e1":
+        assert one.counts and all("--protocol=e1" in c for c in one.first_command.values())
+
+
+def test_a_parallel_campaign_stops_at_the_same_seed_as_a_sequential_one() -> None:
+    from sim.campaign import campaign
+
+    one = campaign("e1", seeds=8, base=_small(), workers=1, stop_when_found=True)
+    three = campaign("e1", seeds=8, base=_small(), workers=3, stop_when_found=True)
+    assert _deterministic(one) == _deterministic(three)
+    assert one.runs == 1
+
+
+def test_campaign_command_workers_and_reproduce_line(capsys) -> None:
+    assert main(["campaign", "--protocol", "e1", "--seeds", "2", "--workers", "2",
+                 "--stop-when-found"]) == 1
+    out = capsys.readouterr().out
+    assert "reproduce: kvstate sim" in out and "--protocol=e1" in out
+    with pytest.raises(SystemExit) as e:
+        main(["campaign", "--workers", "0"])
+    assert e.value.code == 2
+    capsys.readouterr()
+
+
+def test_campaign_ray_without_ray_is_a_usage_error(capsys, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    assert main(["campaign", "--seeds", "1", "--ray", "local"]) == 2
+    assert "pip install" in capsys.readouterr().err
+
+
+def test_campaign_on_a_local_ray_instance_matches_local_workers() -> None:
+    pytest.importorskip("ray")
+    from sim.campaign import campaign
+
+    local = campaign("e1", seeds=4, base=_small(), workers=1)
+    ray = campaign("e1", seeds=4, base=_small(), ray_address="local")
+    assert _deterministic(ray) == _deterministic(local)
