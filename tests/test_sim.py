@@ -157,8 +157,8 @@ def test_truncated_and_oversized_lines(tmp_path: Path, capsys, monkeypatch) -> N
     truncated.write_bytes(good.read_bytes()[:-7])
     assert main(["check", str(truncated)]) == 2
     assert "truncated last line" in capsys.readouterr().err
-    import kvstate.trace
-    monkeypatch.setattr(kvstate.trace, "MAX_LINE_BYTES", 200)
+    import kvstate.trace.reader
+    monkeypatch.setattr(kvstate.trace.reader, "MAX_LINE_BYTES", 200)
     assert main(["check", str(good)]) == 2
     assert "longer than 200 bytes" in capsys.readouterr().err
     assert main(["check", str(tmp_path / "missing.jsonl")]) == 2

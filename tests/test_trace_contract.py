@@ -1000,14 +1000,14 @@ def test_the_fast_decoder_accepts_only_what_the_checked_decoder_accepts(text: st
 
 def test_check_reads_the_same_with_and_without_the_fast_decoder(tmp_path: Path, capsys,
                                                                  monkeypatch) -> None:
-    from kvstate import trace
+    from kvstate.trace import fast as fast_path
 
     lines = fixture(idle_steps=3)
     del lines[line_of(lines, "Settled")]["settlement"]["published_by"]
     lines.append({"i": 10 ** 30, "e": 0, "t": 1e300, "type": "KeyEvicted", "key": "k"})
     path = write(tmp_path / "t.jsonl", lines)
     fast = run(capsys, "check", str(path))
-    monkeypatch.setattr(trace, "_FAST", [None])
+    monkeypatch.setattr(fast_path, "_FAST", [None])
     slow = run(capsys, "check", str(path))
     assert fast[0] == slow[0] == 0
     for key in ("violations", "notes", "observations"):
