@@ -21,7 +21,8 @@ Three ledgers, one per era (REFERENCE.md §1):
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Hashable
+from typing import Generic, Protocol, TypeVar
 
 from kvstate.records import GenKey, SaveMeta
 from kvstate.tables import (
@@ -120,18 +121,32 @@ class Ledger(Protocol):
     def __len__(self) -> int: ...
 
 
-class GenerationLedger:
-    per_generation = True
+_K = TypeVar("_K", bound=Hashable)
+
+
+class _KeyedLedger(Generic[_K]):
+    """The ledger's one algorithm; subclasses say what an entry is keyed by
+    (``_key``: of a job's metadata; ``_key_of``: of a generation key)."""
+
+    per_generation: bool
 
     __slots__ = ("num_groups", "entries", "finishing")
 
     def __init__(self, num_groups: int) -> None:
         self.num_groups = num_groups
-        self.entries: dict[GenKey, RankRequest] = {}
-        self.finishing: set[GenKey] = set()
+        self.entries: dict[_K, RankRequest] = {}
+        self.finishing: set[_K] = set()
+
+    @staticmethod
+    def _key(meta: SaveMeta) -> _K:
+        raise NotImplementedError
+
+    @staticmethod
+    def _key_of(gen: GenKey) -> _K:
+        raise NotImplementedError
 
     def register(self, meta: SaveMeta) -> RankRequest:
-        key = (meta.req_id, meta.generation)
+        key = self._key(meta)
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = RankRequest(meta.req_id, meta.generation, self.num_groups)
@@ -139,33 +154,38 @@ class GenerationLedger:
         return entry
 
     def live_entry(self, meta: SaveMeta) -> RankRequest | None:
-        entry = self.entries.get((meta.req_id, meta.generation))
+        entry = self.entries.get(self._key(meta))
         if entry is not None and meta.job_id in entry.live:
             return entry
         return None
 
     def retire_job(self, meta: SaveMeta) -> None:
-        entry = self.entries.get((meta.req_id, meta.generation))
+        entry = self.entries.get(self._key(meta))
         if entry is not None:
             entry.live.discard(meta.job_id)
 
     def preempt(self, gen: GenKey) -> RankRequest | None:
-        self.finishing.discard(gen)
-        entry = self.entries.pop(gen, None)
+        key = self._key_of(gen)
+        self.finishing.discard(key)
+        entry = self.entries.pop(key, None)
         if entry is not None:
             entry.retire()
         return entry
 
     def finish(self, gen: GenKey) -> None:
-        if gen in self.entries:
-            self.finishing.add(gen)
+        key = self._key_of(gen)
+        if key in self.entries:
+            self.finishing.add(key)
+
+    def _drained(self, entry: RankRequest) -> bool:
+        return not entry.live
 
     def sweep(self) -> list[RankRequest]:
         gone: list[RankRequest] = []
         if self.finishing:
-            for gen in [g for g in self.finishing if not self.entries[g].live]:
-                self.finishing.discard(gen)
-                entry = self.entries.pop(gen)
+            for key in [k for k in self.finishing if self._drained(self.entries[k])]:
+                self.finishing.discard(key)
+                entry = self.entries.pop(key)
                 entry.retire()
                 gone.append(entry)
         return gone
@@ -174,59 +194,35 @@ class GenerationLedger:
         return len(self.entries)
 
 
-class RequestIdLedger:
+class GenerationLedger(_KeyedLedger[GenKey]):
+    """Entries per generation (the default protocol): a stale job of an
+    earlier generation never finds the newer generation's entry."""
+
+    per_generation = True
+    __slots__ = ()
+
+    @staticmethod
+    def _key(meta: SaveMeta) -> GenKey:
+        return (meta.req_id, meta.generation)
+
+    @staticmethod
+    def _key_of(gen: GenKey) -> GenKey:
+        return gen
+
+
+class RequestIdLedger(_KeyedLedger[str]):
+    """Entries per request id (upstream): every generation of an id shares one."""
+
     per_generation = False
+    __slots__ = ()
 
-    __slots__ = ("num_groups", "entries", "finishing")
+    @staticmethod
+    def _key(meta: SaveMeta) -> str:
+        return meta.req_id
 
-    def __init__(self, num_groups: int) -> None:
-        self.num_groups = num_groups
-        self.entries: dict[str, RankRequest] = {}
-        self.finishing: set[str] = set()
-
-    def register(self, meta: SaveMeta) -> RankRequest:
-        entry = self.entries.get(meta.req_id)
-        if entry is None:
-            entry = self.entries[meta.req_id] = RankRequest(
-                meta.req_id, meta.generation, self.num_groups
-            )
-        entry.live.add(meta.job_id)
-        return entry
-
-    def live_entry(self, meta: SaveMeta) -> RankRequest | None:
-        entry = self.entries.get(meta.req_id)
-        if entry is not None and meta.job_id in entry.live:
-            return entry
-        return None
-
-    def retire_job(self, meta: SaveMeta) -> None:
-        entry = self.entries.get(meta.req_id)
-        if entry is not None:
-            entry.live.discard(meta.job_id)
-
-    def preempt(self, gen: GenKey) -> RankRequest | None:
-        self.finishing.discard(gen[0])
-        entry = self.entries.pop(gen[0], None)
-        if entry is not None:
-            entry.retire()
-        return entry
-
-    def finish(self, gen: GenKey) -> None:
-        if gen[0] in self.entries:
-            self.finishing.add(gen[0])
-
-    def sweep(self) -> list[RankRequest]:
-        gone: list[RankRequest] = []
-        if self.finishing:
-            for req_id in [r for r in self.finishing if not self.entries[r].live]:
-                self.finishing.discard(req_id)
-                entry = self.entries.pop(req_id)
-                entry.retire()
-                gone.append(entry)
-        return gone
-
-    def __len__(self) -> int:
-        return len(self.entries)
+    @staticmethod
+    def _key_of(gen: GenKey) -> str:
+        return gen[0]
 
 
 class CounterLedger(RequestIdLedger):
@@ -257,12 +253,5 @@ class CounterLedger(RequestIdLedger):
             )
         entry.count -= 1
 
-    def sweep(self) -> list[RankRequest]:
-        gone: list[RankRequest] = []
-        if self.finishing:
-            for req_id in [r for r in self.finishing if self.entries[r].count == 0]:
-                self.finishing.discard(req_id)
-                entry = self.entries.pop(req_id)
-                entry.retire()
-                gone.append(entry)
-        return gone
+    def _drained(self, entry: RankRequest) -> bool:
+        return entry.count == 0

@@ -63,7 +63,7 @@ def test_runs_are_deterministic() -> None:
 
 
 def test_core_has_no_variant_branches_and_imports_neither_sim_nor_adapters() -> None:
-    for path in (ROOT / "kvstate").glob("*.py"):
+    for path in (ROOT / "kvstate").rglob("*.py"):
         source = path.read_text()
         tree = ast.parse(source)
         for node in ast.walk(tree):
