@@ -14,6 +14,8 @@ from typing import Any
 
 import attrs
 
+from kvstate.config import GroupKind, GroupSpec
+
 
 @attrs.define
 class FuzzResult:
@@ -41,6 +43,11 @@ PROFILES: dict[str, dict[str, Any]] = {
     "consumer": {"role": "kv_consumer"},
     # One prompt family: every lookup can hit, so loads and load failures abound.
     "shared": {"prompt_families": 1},
+    # A hybrid model: full attention plus a 4-token sliding window that keeps
+    # the block before each 8-token boundary, its groups sharing hashes, with
+    # MLA-style striding (a chunk's two groups are owned by different ranks).
+    "hybrid": {"put_step": 2, "alignment": 8,
+               "groups": (GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 4))},
 }
 _MACHINE_KNOBS = ("prompt_families",)
 

@@ -293,8 +293,8 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
     Scope("hybrid", "two KV-cache groups sharing hashes (full attention and a 2-token sliding "
           "window that keeps the block before each 4-token boundary) with MLA-style striding: "
           "a chunk's groups are owned by different ranks; one fault",
-          (ScopeRequest("a", (1, 2, 3, 4, 5), decode=1),), put_step=2, num_blocks=8,
-          evictions=0, preemptions=0, alignment=4,
+          (ScopeRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9), decode=1),), put_step=2,
+          num_blocks=12, token_budget=8, faults=1, evictions=0, preemptions=0, alignment=4,
           groups=(GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 2))),
     Scope("large", "two ids, one reused, a decode step, a fault, an eviction, a preemption "
           "and an abort per path (millions of states: bug hunting with --budget)",

@@ -436,6 +436,30 @@ def test_the_sliding_window_group_stores_only_its_window_and_announces_it() -> N
         assert announced == [hashes[c] for c in chunks], group
 
 
+def test_the_model_checker_explores_the_two_group_scope_exhaustively(tmp_path: Path) -> None:
+    """Every interleaving of the hybrid scope (full attention + sliding window,
+    striding, one fault): the default protocol stays silent; the hash-keyed
+    quorum published a full-attention orphan 5 actions in; e2, which counts
+    by value and never orders, does too."""
+    from sim.modelcheck import SCOPES, check
+
+    clean = check(SCOPES["hybrid"], "kvstate", out_dir=str(tmp_path))
+    assert clean.exhaustive and clean.violation is None
+    assert clean.states > 100
+    e2 = check(SCOPES["hybrid"], "e2", out_dir=str(tmp_path))
+    assert e2.violation is not None and e2.violation.invariant == "K4"
+
+
+def test_the_hypothesis_hybrid_profile_is_clean_for_the_default_protocol(tmp_path: Path) -> None:
+    """The CI profile's fixed programs in the hybrid engine shape (the
+    hash-keyed quorum broke K4 in its first program)."""
+    from sim.fuzz import CI_EXAMPLES, CI_STEPS, fuzz
+
+    result = fuzz("kvstate", budget=float("inf"), examples=CI_EXAMPLES, steps=CI_STEPS,
+                  out_dir=str(tmp_path), profile="hybrid", derandomize=True)
+    assert result.ok, result.message
+
+
 @pytest.mark.parametrize("argv, why", [
     (["--groups", "full,swa"], "swa:W"),
     (["--groups", "full,swa:0"], "swa:W"),
