@@ -6,7 +6,8 @@ are stale (diagrams are never drawn by hand). Given a coverage set of
 (state, event) pairs, states whose every outgoing transition was exercised are
 coloured ``covered``, others ``partial`` or ``unvisited``.
 
-``reference_machine`` builds a ``transitions`` machine from the same table.
+``reference_machine`` builds a ``transitions`` machine from the same table
+(``transitions`` is imported only then: ``pip install 'kvstate[test]'``).
 It is far slower than dict dispatch (~5 µs a trigger against ~0.1 µs,
 REFERENCE.md §10), so the hot path never uses it; the tests use it as an
 independent interpreter and require it to agree with ``Machine.fire`` on
@@ -17,14 +18,19 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import Any
 
 from kvstate.tables import MACHINES, Machine
 
-try:  # transitions is a core dependency, but keep the import error readable
-    from transitions import Machine as _TransitionsMachine
-    from transitions import MachineError
-except ImportError as exc:  # pragma: no cover
-    raise ImportError("kvstate.diagrams needs the 'transitions' package") from exc
+
+def _transitions() -> Any:
+    """The ``transitions`` package, needed only by the reference interpreter."""
+    try:
+        import transitions
+    except ImportError as exc:
+        raise ImportError("kvstate.diagrams.reference_machine needs the 'transitions' "
+                          "package: pip install 'kvstate[test]'") from exc
+    return transitions
 
 
 def to_mermaid(
@@ -60,14 +66,15 @@ class _Model:
     state: str
 
 
-def reference_machine(machine: Machine) -> tuple[_Model, _TransitionsMachine]:
+def reference_machine(machine: Machine) -> tuple[_Model, Any]:
+    """A ``transitions`` machine for ``machine``'s table, and its model."""
     model = _Model()
     transitions = [
         {"trigger": event.name, "source": state.name, "dest": nxt.name}
         for state in machine.states
         for event, nxt in machine.table[state].items()
     ]
-    engine = _TransitionsMachine(
+    engine = _transitions().Machine(
         model=model,
         states=[s.name for s in machine.states],
         transitions=transitions,
@@ -78,13 +85,13 @@ def reference_machine(machine: Machine) -> tuple[_Model, _TransitionsMachine]:
     return model, engine
 
 
-def reference_fire(model: _Model, engine: _TransitionsMachine, state: enum.Enum,
+def reference_fire(model: _Model, engine: Any, state: enum.Enum,
                    event: enum.Enum) -> str | None:
     """Next state's name per ``transitions``, or ``None`` if it refuses."""
     engine.set_state(state.name, model=model)
     try:
         model.trigger(event.name)  # type: ignore[attr-defined]
-    except (MachineError, AttributeError):
+    except (_transitions().MachineError, AttributeError):
         return None
     return model.state
 

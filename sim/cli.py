@@ -409,7 +409,8 @@ def add_sim_options(parser: argparse.ArgumentParser) -> None:
                        help="one kv_both engine, or prefill + decode engines sharing a store")
     group.add_argument("--workload", choices=("synthetic", "fast25"), default=d.workload)
     group.add_argument("--fast25-path", default=d.fast25_path,
-                       help="FAST'25 trace (default: ../shared/data/mooncake-fast25/...)")
+                       help="a trace in the FAST'25 format, plain or .gz (default: the packaged "
+                            "FAST'25 conversation trace)")
     group.add_argument("--scale", type=_positive_int, default=d.scale,
                        help="divide FAST'25 token counts by this (any positive integer)")
     group.add_argument("--requests", type=_positive_int, default=d.requests)
@@ -698,7 +699,16 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from sim.plot import command
+
+    return command(args)
+
+
 def cmd_fuzz(args: argparse.Namespace) -> int:
+    from sim.extras import require
+
+    require("hypothesis", "kvstate fuzz")
     from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
     from sim.fuzz import fuzz
 
@@ -859,6 +869,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check)
 
+    plot = sub.add_parser("plot", help="draw a run's timeline from its trace (needs "
+                          "kvstate[plot]: matplotlib)")
+    plot.add_argument("trace")
+    plot.add_argument("-o", "--output", required=True,
+                      help="the image to write; its suffix picks the format (.png, .svg, .pdf)")
+    plot.add_argument("--title", default=None)
+    plot.add_argument("--json", action="store_true")
+    plot.set_defaults(func=cmd_plot)
+
     replay = sub.add_parser("replay", help="re-drive the model from a trace; first divergence")
     replay.add_argument("trace")
     replay.add_argument("--protocol", type=_protocol, default=None,
@@ -983,11 +1002,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from kvstate.trace import TraceError
     from sim.coverage import CoverageError
+    from sim.extras import MissingExtra
     from sim.workloads import WorkloadError
 
     try:
         return int(args.func(args))
-    except (UsageError, TraceError, WorkloadError, CoverageError) as exc:
+    except (UsageError, TraceError, WorkloadError, CoverageError, MissingExtra) as exc:
         print(f"kvstate {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

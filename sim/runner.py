@@ -56,8 +56,9 @@ from sim.kernel import Kernel
 from sim.store import SimStore
 from sim.workloads import Arrival, fast25, synthetic
 
-DEFAULT_FAST25 = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / \
-    "mooncake-fast25" / "conversation_trace.jsonl"
+# The Mooncake FAST'25 conversation trace, shipped gzip-compressed (sim/data/README.md:
+# source and licence).
+DEFAULT_FAST25 = Path(__file__).resolve().parent / "data" / "mooncake_fast25_conversation.jsonl.gz"
 WINDOW = 4000  # observations kept for a violation's causal window
 
 

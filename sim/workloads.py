@@ -3,7 +3,7 @@
 ``synthetic`` draws arrivals (Poisson), prompt and output lengths, shared
 prefixes (so lookups hit and existence checks deduplicate) from the kernel's
 seeded generator. ``fast25`` reads the Mooncake FAST'25 conversation trace
-(shared/data/mooncake-fast25: arrival ms, input/output lengths, 512-token
+(packaged, gzip-compressed, in sim/data: arrival ms, input/output lengths, 512-token
 prefix hash ids), or any trace in that format; token ids are derived from the
 hash ids deterministically (``Remap``: two prompts share a scaled block iff
 they share every original block it covers), and ``scale`` (any positive
@@ -12,6 +12,7 @@ integer) divides every length so a 12k-token prompt stays cheap to simulate.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -187,14 +188,17 @@ def read_mooncake(path: Path) -> Iterator[tuple[float, int, int, list[int]]]:
     if not stat.S_ISREG(info.st_mode):
         raise WorkloadError(f"{path}: cannot open (not a regular file)")
     try:
-        handle = path.open("rb")
+        handle = gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
     except OSError as exc:
         raise WorkloadError(f"{path}: cannot open ({exc.strerror})") from None
     last_ts = 0.0
     with handle:
         number = 0
         while True:
-            raw = handle.readline(MAX_LINE_BYTES + 1)
+            try:
+                raw = handle.readline(MAX_LINE_BYTES + 1)
+            except (OSError, EOFError) as exc:  # a corrupt or truncated .gz
+                raise WorkloadError(f"{path}:{number + 1}: cannot read ({exc})") from None
             if not raw:
                 return
             number += 1

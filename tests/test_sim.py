@@ -19,11 +19,11 @@ from sim.cli import main
 from sim.faults import SITES
 from sim.minimize import minimize
 from sim.replay import replay_trace
-from sim.runner import SimOptions, simulate
+from sim.runner import DEFAULT_FAST25, SimOptions, simulate
 from sim.workloads import fast25, fast25_tokens, synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST25 = ROOT.parent / "shared" / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
+FAST25 = DEFAULT_FAST25  # the packaged trace (sim/data)
 SMALL = SimOptions(requests=60)
 
 
