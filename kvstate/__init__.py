@@ -24,7 +24,8 @@ loaded on first use, so ``import kvstate`` stays cheap. In groups:
   `kvstate.protocols`); the Hypothesis machine `kvstate.testing.ConnectorMachine`
   (needs ``kvstate[test]``, so it is not re-exported here);
 - traces: `TraceReader`, `TraceError`, `encode_header`, `encode_observation`,
-  `trace_schema`, and `check_trace` (what ``kvstate check`` runs).
+  `trace_schema`. (``kvstate check`` is `sim.check.check_trace`: the core
+  imports nothing from ``sim``.)
 """
 
 from __future__ import annotations
@@ -107,7 +108,6 @@ if TYPE_CHECKING:
         trace_schema,
     )
     from kvstate.variants import KVSTATE, MUTANTS, VARIANTS, Variant, get_variant
-    from sim.check import CheckResult, check_trace
 
 # Which module defines each public name.
 _WHERE: dict[str, str] = {
@@ -195,15 +195,12 @@ _WHERE: dict[str, str] = {
     'encode_header': 'kvstate.trace',
     'encode_observation': 'kvstate.trace',
     'trace_schema': 'kvstate.trace',
-    'CheckResult': 'sim.check',
-    'check_trace': 'sim.check',
 }
 
 __all__ = [
     'BlockStored',
     'CATALOGUE',
     'CachedRequest',
-    'CheckResult',
     'ConnectorConfig',
     'EngineRequest',
     'EventQuorum',
@@ -281,7 +278,6 @@ __all__ = [
     'Variant',
     'Violation',
     'broken_by',
-    'check_trace',
     'encode_header',
     'encode_observation',
     'get_variant',

@@ -35,7 +35,7 @@ def test_every_public_name_resolves() -> None:
 def test_star_import_and_unknown_name() -> None:
     namespace: dict[str, Any] = {}
     exec("from kvstate import *", namespace)
-    assert {"Planner", "Executor", "Monitor", "TraceReader", "check_trace"} <= set(namespace)
+    assert {"Planner", "Executor", "Monitor", "TraceReader", "Harness"} <= set(namespace)
     try:
         kvstate.no_such_name  # type: ignore[attr-defined]  # noqa: B018
     except AttributeError as exc:
