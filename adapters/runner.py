@@ -20,6 +20,7 @@ import attrs
 
 from adapters.mooncake import MooncakeStore, code_name
 from adapters.torch_kv import PagedKV
+from kvstate.blockhash import VLLM_SHA256
 from kvstate.config import ConnectorConfig
 from kvstate.harness import Harness
 from kvstate.memory_store import StoreRaised
@@ -244,11 +245,14 @@ def _result(harness: Harness, arrivals: Sequence[Any], totals: dict[str, Any],
 
 
 def _harness(config: ConnectorConfig, variant: str, num_blocks: int, store: Any,
-             fill: Any) -> tuple[Harness, SaveCounter]:
-    """The engine model over a real store; ``fill`` writes a block's bytes."""
+             fill: Any, block_hash: str) -> tuple[Harness, SaveCounter]:
+    """The engine model over a real store; ``fill`` writes a block's bytes;
+    ``block_hash`` names the blocks (vLLM's sha256 by default: a store filled
+    here serves a vLLM engine with the same model and prefix)."""
     saves = SaveCounter()
     harness = Harness(config, variant, num_blocks=num_blocks, store=store, token_budget=64,
-                      record=False, keep_finished=False, auto_preempt=True, sink=saves)
+                      record=False, keep_finished=False, auto_preempt=True, sink=saves,
+                      block_hash=block_hash)
     harness.pool.on_write = fill
     return harness, saves
 
@@ -263,6 +267,7 @@ def run_real(
     heads: int = 2,
     head_dim: int = 16,
     device: str = "cpu",
+    block_hash: str = VLLM_SHA256,
 ) -> RealResult:
     """Drive ``arrivals`` (req id, prompt, max new tokens) through the core with
     the real store, all ranks in this process, then verify every stored key
@@ -271,10 +276,11 @@ def run_real(
                  heads=heads, head_dim=head_dim, device=device, put_step=config.put_step)
     with registered(store, kv.tensors()):
         real = RealStore(store, kv)
-        harness, saves = _harness(config, variant, num_blocks, real, kv.fill)
+        harness, saves = _harness(config, variant, num_blocks, real, kv.fill, block_hash)
         seconds = _drive(harness, arrivals, steps_per_arrival)
         verified = verify(store, kv, real.written)
-    return _result(harness, arrivals, real.totals(), verified, seconds, saves.figures())
+    return _result(harness, arrivals, real.totals(), verified, seconds,
+                   {**saves.figures(), "block_hash": block_hash})
 
 
 def run_real_processes(
@@ -287,6 +293,7 @@ def run_real_processes(
     heads: int = 2,
     head_dim: int = 16,
     timeout: float = 5.0,
+    block_hash: str = VLLM_SHA256,
 ) -> RealResult:
     """``run_real`` with every rank in its own process, with its own Mooncake
     client (``mooncake``: the `MooncakeConfig` each rank connects with) and its
@@ -297,7 +304,7 @@ def run_real_processes(
                           num_blocks, config.block_size, heads=heads, head_dim=head_dim,
                           timeout=timeout)
     try:
-        harness, saves = _harness(config, variant, num_blocks, ranks, ranks.fill)
+        harness, saves = _harness(config, variant, num_blocks, ranks, ranks.fill, block_hash)
         seconds = _drive(harness, arrivals, steps_per_arrival)
         verified = ranks.verify()
         per_rank = ranks.stats()
@@ -311,7 +318,8 @@ def run_real_processes(
                     totals["errors"][name] = totals["errors"].get(name, 0) + n
             elif key != "pid":
                 totals[key] = totals.get(key, 0) + value
-    extra = {**saves.figures(), "rank_pids": [s["pid"] for s in per_rank],
+    extra = {**saves.figures(), "block_hash": block_hash,
+             "rank_pids": [s["pid"] for s in per_rank],
              "puts_per_rank": [s["puts"] for s in per_rank]}
     return _result(harness, arrivals, totals, verified, seconds, extra)
 

@@ -63,6 +63,30 @@ def vllm_sha256_cbor(value: Any) -> bytes:
     return hashlib.sha256(dumps(value, canonical=True)).digest()
 
 
+def chain_hash_fn(name: str, none_hash: bytes | None = None
+                  ) -> Callable[[bytes | None, Sequence[int]], bytes]:
+    """The engine's ``(parent, block tokens) -> digest`` for `kvstate.keys.HashChain`,
+    so a chain built here names blocks as that engine does (requests without
+    extra keys). ``none_hash``: the first block's parent (vLLM's default seed's
+    hash if ``None``)."""
+    if name == KVSTATE:
+        return _kvstate_block_hash
+    if name == VLLM_SHA256:
+        fn = vllm_sha256
+    elif name == VLLM_SHA256_CBOR:
+        if _cbor_dumps() is None:
+            raise ValueError("block hash 'vllm-sha256_cbor' needs cbor2, which is not installed")
+        fn = vllm_sha256_cbor
+    else:
+        raise ValueError(f"block hash {name!r} cannot build a chain (known: {KVSTATE}, "
+                         f"{VLLM_SHA256}, {VLLM_SHA256_CBOR})")
+    seed = none_hash if none_hash is not None else fn(VLLM_DEFAULT_NONE_HASH_SEED)
+
+    def vllm_block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+        return fn((parent or seed, tuple(tokens), None))
+    return vllm_block_hash
+
+
 class BlockHasher:
     """Recompute a chunk's digest from its token ids, as the trace's engine did.
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstate.block_pool import BlockPool
+from kvstate.blockhash import KVSTATE as KVSTATE_HASH
+from kvstate.blockhash import chain_hash_fn
 from kvstate.config import ConnectorConfig
 from kvstate.executor import Executor
 from kvstate.invariants import Monitor
@@ -82,14 +84,15 @@ class EngineRequest:
     )
 
     def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
-                 num_groups: int, hash_block: int) -> None:
+                 num_groups: int, hash_block: int,
+                 hash_fn: Callable[[bytes | None, Sequence[int]], bytes] | None = None) -> None:
         self.req_id = req_id
         self.prompt = tuple(prompt)
         self.tokens: list[int] = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.computed = 0
         self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
-        self.chain = HashChain(hash_block)
+        self.chain = HashChain(hash_block, hash_fn=hash_fn)
         self.sent_hashes = 0
         self.status = "waiting"
         self.resume = False
@@ -124,10 +127,15 @@ class Harness:
         clock: Callable[[], float] | None = None,
         planner_factory: PlannerFactory | None = None,
         executor_factory: ExecutorFactory | None = None,
+        block_hash: str = KVSTATE_HASH,
     ) -> None:
+        """``block_hash``: how the engine hashes blocks (`kvstate.blockhash`):
+        kvstate's own, or vLLM's ``vllm-sha256`` so the keys stored are the
+        keys a vLLM engine looks up."""
         self.config = config
         self.variant = get_variant(variant) if isinstance(variant, str) else variant
-        self.monitor = monitor if monitor is not None else Monitor(config)
+        self.monitor = monitor if monitor is not None else Monitor(config, block_hash=block_hash)
+        self.hash_fn = chain_hash_fn(block_hash)
         self.record = record
         self.keep_finished = keep_finished
         self.auto_preempt = auto_preempt
@@ -192,7 +200,7 @@ class Harness:
             raise ValueError(f"request {req_id!r} is still {old.status}")
         self.finished.pop(req_id, None)
         req = EngineRequest(req_id, prompt, max_new_tokens, len(self.config.groups),
-                            self.config.hash_block)
+                            self.config.hash_block, self.hash_fn)
         req.lookup = lookup and not transferred
         req.load_async = load_async
         req.transferred = transferred
@@ -333,7 +341,7 @@ class Harness:
             self.pool.unref(reversed(table))
         req.blocks = [[] for _ in self.config.groups]
         req.computed = 0
-        req.chain = HashChain(self.config.hash_block)
+        req.chain = HashChain(self.config.hash_block, hash_fn=self.hash_fn)
         req.sent_hashes = 0
         req.status = "waiting"
         req.resume = True
@@ -367,7 +375,7 @@ class Harness:
                 return None
             req.resume = False
             req.status = "running"
-            req.chain = HashChain(config.hash_block)
+            req.chain = HashChain(config.hash_block, hash_fn=self.hash_fn)
             hashes = tuple(req.chain.extend(req.tokens[:n]))
             return ResumedRequest(req.req_id, tuple(req.tokens), 0, n,
                                   tuple(tuple(t) for t in req.blocks), hashes), n
@@ -380,7 +388,7 @@ class Harness:
             if req.hit is None:
                 req.hit = 0
                 if req.lookup:
-                    hashes_all = HashChain(config.hash_block, req.prompt).hashes
+                    hashes_all = HashChain(config.hash_block, req.prompt, self.hash_fn).hashes
                     query = self.planner.lookup(req.req_id, len(req.prompt), hashes_all)
                     present = tuple(self.store.exists(-1, query.keys))
                     req.hit = self.planner.lookup_answered(query, present)
@@ -400,7 +408,7 @@ class Harness:
         if self._grow(req, hit + n) is None:
             return None
         req.status = "running"
-        req.chain = HashChain(config.hash_block)
+        req.chain = HashChain(config.hash_block, hash_fn=self.hash_fn)
         hashes = tuple(req.chain.extend(req.tokens[:hit + n]))
         return NewRequest(req.req_id, req.prompt, hit, n,
                           tuple(tuple(t) for t in req.blocks), hashes), n
@@ -419,7 +427,7 @@ class Harness:
         if self._grow(req, n_prompt) is None:
             return None
         self._allocate(req, 0, False)
-        req.chain = HashChain(config.hash_block)
+        req.chain = HashChain(config.hash_block, hash_fn=self.hash_fn)
         hashes = tuple(req.chain.extend(req.prompt))
         for idx in range((n_prompt - 1) // config.block_size):
             digest = chunk_hash(req.chain.hashes, idx, config.hashes_per_block).hex()
@@ -471,7 +479,7 @@ class Harness:
             if req is None:
                 continue
             # The engine recomputes exactly the blocks reported as failed.
-            chain = HashChain(self.config.hash_block, req.prompt)
+            chain = HashChain(self.config.hash_block, req.prompt, self.hash_fn)
             for table in req.blocks:
                 for idx, block in enumerate(table):
                     if block in result.failed_block_ids and (idx + 1) * bs <= len(req.prompt):

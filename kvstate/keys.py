@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvstate.config import ConnectorConfig, GroupKind
@@ -48,14 +48,18 @@ class HashChain:
 
     Engines compute this (vLLM's ``Request.block_hashes``); the planner only
     reads it. Tests and the harness use this class to play the engine's part.
+    ``hash_fn`` is the engine's block hash (kvstate's own by default;
+    `kvstate.blockhash.chain_hash_fn` gives vLLM's, so keys match vLLM's).
     """
 
-    __slots__ = ("hash_block_size", "hashes", "_pending")
+    __slots__ = ("hash_block_size", "hashes", "_pending", "_hash_fn")
 
-    def __init__(self, hash_block_size: int, tokens: Sequence[int] = ()) -> None:
+    def __init__(self, hash_block_size: int, tokens: Sequence[int] = (),
+                 hash_fn: Callable[[bytes | None, Sequence[int]], bytes] | None = None) -> None:
         self.hash_block_size = hash_block_size
         self.hashes: list[bytes] = []
         self._pending: list[int] = []
+        self._hash_fn = hash_fn or block_hash
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> list[bytes]:
@@ -66,7 +70,7 @@ class HashChain:
         size = self.hash_block_size
         while len(pending) >= size:
             parent = self.hashes[-1] if self.hashes else None
-            digest = block_hash(parent, pending[:size])
+            digest = self._hash_fn(parent, pending[:size])
             self.hashes.append(digest)
             new.append(digest)
             del pending[:size]

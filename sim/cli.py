@@ -745,8 +745,13 @@ def cmd_real(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from adapters.mooncake import MooncakeConfig, MooncakeStore, MooncakeUnavailable
     from adapters.runner import bench_adapter, run_real, workload_arrivals
+    from kvstate.blockhash import chain_hash_fn
     from kvstate.config import ConnectorConfig
 
+    try:
+        chain_hash_fn(args.block_hash)  # before a master starts: cbor2 may be missing
+    except ValueError as exc:
+        raise UsageError(f"--block-hash={args.block_hash}: {exc}") from None
     master = None
     try:
         if args.master:
@@ -790,11 +795,13 @@ def cmd_real(args: argparse.Namespace) -> int:
                 store.close()  # the ranks bring their own clients
                 try:
                     result = run_real_processes(store.config, arrivals, config,
-                                                variant=args.protocol, timeout=args.timeout)
+                                                variant=args.protocol, timeout=args.timeout,
+                                                block_hash=args.block_hash)
                 except RankProcessError as exc:
                     raise UsageError(str(exc)) from None
             else:
-                result = run_real(store, arrivals, config, variant=args.protocol)
+                result = run_real(store, arrivals, config, variant=args.protocol,
+                                  block_hash=args.block_hash)
         finally:
             store.close()
     finally:
@@ -932,6 +939,11 @@ def build_parser() -> argparse.ArgumentParser:
     real.add_argument("--seed", type=_nonneg_int, default=0)
     real.add_argument("--world-size", type=_positive_int, default=2, choices=(1, 2, 3, 4))
     real.add_argument("--block-size", type=_positive_int, default=16)
+    real.add_argument("--block-hash", choices=("vllm-sha256", "vllm-sha256_cbor", "kvstate"),
+                      default="vllm-sha256",
+                      help="how blocks are hashed into keys: vLLM 0.33.0's sha256 (the "
+                      "default: the keys a vLLM engine looks up, with PYTHONHASHSEED unset), "
+                      "its sha256_cbor, or kvstate's own 16-byte hash")
     real.add_argument("--segment-mib", type=_positive_int, default=256)
     real.add_argument("--timeout", type=_positive_float, default=5.0,
                       help="seconds a store call may take")

@@ -238,3 +238,50 @@ def test_gpu_roundtrip_script_runs_its_path_on_cpu_tensors(mooncake_master, caps
                  "--requests", "4"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["ok"] and out["verified_keys"] == out["keys_written"] > 0
+
+
+def _vllm_chunk_keys(config: ConnectorConfig, tokens: list[int], monkeypatch) -> list[str]:
+    """The keys a vLLM 0.33.0 engine (sha256 prefix caching, PYTHONHASHSEED
+    unset) looks up for ``tokens``: its own block hashing and none-hash seed,
+    upstream's key format, every rank namespace."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, resolve_none_hash_seed
+
+    from kvstate.keys import key_for, key_prefix
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    parent = sha256(resolve_none_hash_seed(sha256))  # vLLM's NONE_HASH, its globals untouched
+    keys = []
+    bs = config.block_size
+    for start in range(0, len(tokens) // bs * bs, bs):
+        parent = hash_block_tokens(sha256, parent, tokens[start:start + bs])
+        keys += [key_for(key_prefix(config, ns * config.put_step, 0), parent)
+                 for ns in range(config.num_namespaces)]
+    return keys
+
+
+def test_a_store_kvstate_real_fills_holds_the_keys_vllm_looks_up(mooncake_store,
+                                                                   monkeypatch) -> None:
+    """By default the real store is keyed by vLLM's own sha256 block hashes
+    (kvstate's 16-byte hash names keys no vLLM engine ever asks for)."""
+    pytest.importorskip("vllm")
+    tokens = prompt(24, salt=5)
+    config = isolated(world_size=2, save_decode_cache=True, enable_kv_events=True)
+    vllm_keys = _vllm_chunk_keys(config, tokens, monkeypatch)
+    result = run_real(mooncake_store, [("a", tokens, 3)], config)
+    assert result.ok, result.violations  # S17 recomputes every event's digest with sha256
+    assert result.figures["block_hash"] == "vllm-sha256"
+    assert len(vllm_keys) == 12 and all(mooncake_store.exists(vllm_keys))
+    other = isolated(world_size=2, save_decode_cache=True, enable_kv_events=True)
+    own = run_real(mooncake_store, [("a", tokens, 3)], other, block_hash="kvstate")
+    assert own.ok and own.figures["keys_written"] > 0
+    assert not any(mooncake_store.exists(_vllm_chunk_keys(other, tokens, monkeypatch)))
+
+
+def test_real_command_refuses_an_unknown_block_hash(capsys) -> None:
+    from sim.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["real", "--block-hash", "md5"])
+    assert exc.value.code == 2
+    assert "--block-hash" in capsys.readouterr().err
