@@ -907,10 +907,10 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--steps", type=_positive_int, default=50, help="rules per program")
     fz.add_argument("--out-dir", default=".", help="where counterexample traces go")
     fz.add_argument("--profile", default="both",
-                    choices=("both", "striding", "consumer", "shared", "hybrid"),
+                    choices=("both", "striding", "consumer", "shared", "hybrid", "hybrid-pd"),
                     help="engine shape: per-rank heads, MLA striding, a P/D decode node, "
                     "one prompt family (lookups hit, loads fail), or a hybrid model (full "
-                    "attention + sliding window, striding)")
+                    "attention + sliding window) with striding or on a P/D decode node")
     fz.add_argument("--show-unseen", action="store_true",
                     help="list the table entries and guard outcomes never fired")
     fz.add_argument("--json", action="store_true")

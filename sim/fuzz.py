@@ -48,6 +48,9 @@ PROFILES: dict[str, dict[str, Any]] = {
     # MLA-style striding (a chunk's two groups are owned by different ranks).
     "hybrid": {"put_step": 2, "alignment": 8,
                "groups": (GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 4))},
+    # The same model on a P/D decode node: only decode-phase chunks are saved.
+    "hybrid-pd": {"role": "kv_consumer", "alignment": 8,
+                  "groups": (GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 4))},
 }
 _MACHINE_KNOBS = ("prompt_families",)
 

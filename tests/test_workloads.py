@@ -450,13 +450,15 @@ def test_the_model_checker_explores_the_two_group_scope_exhaustively(tmp_path: P
     assert e2.violation is not None and e2.violation.invariant == "K4"
 
 
-def test_the_hypothesis_hybrid_profile_is_clean_for_the_default_protocol(tmp_path: Path) -> None:
-    """The CI profile's fixed programs in the hybrid engine shape (the
-    hash-keyed quorum broke K4 in its first program)."""
+@pytest.mark.parametrize("profile", ["hybrid", "hybrid-pd"])
+def test_the_hypothesis_hybrid_profiles_are_clean_for_the_default_protocol(
+        profile: str, tmp_path: Path) -> None:
+    """The CI profile's fixed programs in the hybrid engine shapes (with
+    striding, the hash-keyed quorum broke K4 in its first program)."""
     from sim.fuzz import CI_EXAMPLES, CI_STEPS, fuzz
 
     result = fuzz("kvstate", budget=float("inf"), examples=CI_EXAMPLES, steps=CI_STEPS,
-                  out_dir=str(tmp_path), profile="hybrid", derandomize=True)
+                  out_dir=str(tmp_path), profile=profile, derandomize=True)
     assert result.ok, result.message
 
 
