@@ -25,21 +25,10 @@ from typing import Any, TypeVar
 
 import attrs
 
+from kvstate.store_codes import code_name
+
 T = TypeVar("T")
 
-CODE_NAMES = {
-    0: "OK",
-    -200: "NO_AVAILABLE_HANDLE",
-    -600: "INVALID_PARAMS",
-    -704: "OBJECT_NOT_FOUND",
-    -706: "OBJECT_HAS_LEASE",
-    -800: "TRANSFER_FAIL",
-    -900: "RPC_FAIL",
-}
-
-
-def code_name(code: int) -> str:
-    return CODE_NAMES.get(code, f"ERROR_{code}")
 
 
 class MooncakeUnavailable(RuntimeError):

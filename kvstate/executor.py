@@ -45,11 +45,11 @@ from kvstate.records import (
     Report,
     SaveMeta,
 )
+from kvstate.store_codes import StoreCode
 from kvstate.tables import JOB, PRESSURE, JobEvent, JobState, PressureEvent, PressureState
 from kvstate.variants import KVSTATE, Variant
 
-# Mooncake's "no available handle": the store is full (REFERENCE.md §4).
-NO_AVAILABLE_HANDLE = -200
+NO_AVAILABLE_HANDLE = StoreCode.NO_AVAILABLE_HANDLE  # the store is full
 
 # What became of each key of a job (for KV events).
 PRESENT, PUT, FAILED = 0, 1, 2
@@ -240,7 +240,7 @@ class Executor:
         if len(codes) != len(idx):
             raise ValueError(
                 f"job {meta.job_id} rank {self.rank}: {len(codes)} put codes for {len(idx)} puts")
-        ok = [c == 0 for c in codes]
+        ok = [c == StoreCode.OK for c in codes]
         if all(ok):
             job.state = JOB.fire(key, job.state, _JE.PUT_OK)
             return self._succeeded(job, idx)

@@ -4,7 +4,7 @@
 wins); ``exists`` answers per key; ``get`` of a missing key answers ``None``
 (Mooncake returns ``b''``). Faults are scripted by tests through ``answer``:
 a function from (operation, rank, key) to a return code, or an exception
-instance to raise (REFERENCE.md §4 lists the codes: -200 no space, -800
+instance to raise (`kvstate.store_codes.StoreCode`: -200 no space, -800
 transfer failure, -900 RPC failure).
 """
 

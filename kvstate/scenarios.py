@@ -16,6 +16,7 @@ from collections.abc import Callable
 from kvstate.config import ConnectorConfig, Role
 from kvstate.harness import Harness
 from kvstate.memory_store import MemoryStore, StoreRaised
+from kvstate.store_codes import StoreCode
 from kvstate.variants import Variant
 
 Scenario = Callable[[str | Variant], Harness]
@@ -101,7 +102,7 @@ def reuse_with_failed_retry(variant: str | Variant) -> Harness:
     """A generation's put fails (its token suffix is kept for the retry) and
     the request finishes; a client reuses the id. The new generation must not
     see the old one's retry suffix."""
-    answers = ScriptedAnswers().when("put", 0, lambda n, k: n == 0, -800)
+    answers = ScriptedAnswers().when("put", 0, lambda n, k: n == 0, StoreCode.TRANSFER_FAIL)
     config = ConnectorConfig(block_size=4, enable_kv_events=True)
     h = Harness(config, variant, num_blocks=16, store=MemoryStore(answers))
     h.add("a", prompt(8))
@@ -166,7 +167,7 @@ def shared_prefix(variant: str | Variant) -> Harness:
 def partial_put_failure(variant: str | Variant) -> Harness:
     """The middle chunk's put fails once; the next decode job must retry it
     from the rank's saved offset (seed 2)."""
-    answers = ScriptedAnswers().when("put", 0, lambda n, k: n == 1, -800)
+    answers = ScriptedAnswers().when("put", 0, lambda n, k: n == 1, StoreCode.TRANSFER_FAIL)
     config = ConnectorConfig(block_size=4, save_decode_cache=True, enable_kv_events=True)
     h = Harness(config, variant, num_blocks=32, store=MemoryStore(answers))
     h.add("a", prompt(12), max_new_tokens=8)
@@ -195,7 +196,7 @@ def evicted_and_reput(variant: str | Variant) -> Harness:
     """Two requests with one prompt; rank 1's puts all fail; between rank 0's
     two jobs the store evicts the chunks, so rank 0 puts and announces them
     twice (REFERENCE.md §6 S16: value-counting can publish early)."""
-    answers = ScriptedAnswers().when("put", 1, lambda n, k: True, -800)
+    answers = ScriptedAnswers().when("put", 1, lambda n, k: True, StoreCode.TRANSFER_FAIL)
     config = ConnectorConfig(block_size=4, world_size=2, enable_kv_events=True)
     store = MemoryStore(answers)
     h = Harness(config, variant, num_blocks=32, store=store)
@@ -240,7 +241,7 @@ def load_async(variant: str | Variant) -> Harness:
 def load_evicted(variant: str | Variant) -> Harness:
     """The lookup hits, then every get fails (evicted meanwhile): the failed
     blocks must be reported so the engine recomputes them (S19)."""
-    answers = ScriptedAnswers().when("get", None, lambda n, k: True, -704)
+    answers = ScriptedAnswers().when("get", None, lambda n, k: True, StoreCode.OBJECT_NOT_FOUND)
     return _stored_then_looked_up(variant, ConnectorConfig(block_size=4),
                                   MemoryStore(answers))
 
@@ -249,7 +250,7 @@ def load_evicted(variant: str | Variant) -> Harness:
 def lookup_partial_namespace(variant: str | Variant) -> Harness:
     """Only rank 0's namespace holds the prompt (rank 1's puts failed); a
     lookup must not count it as a hit."""
-    answers = ScriptedAnswers().when("put", 1, lambda n, k: True, -800)
+    answers = ScriptedAnswers().when("put", 1, lambda n, k: True, StoreCode.TRANSFER_FAIL)
     return _stored_then_looked_up(variant, ConnectorConfig(block_size=4, world_size=2),
                                   MemoryStore(answers))
 
@@ -271,7 +272,7 @@ def consumer_backfill(variant: str | Variant) -> Harness:
 def pressure_idle(variant: str | Variant) -> Harness:
     """The only running request hits -200 (store full) once; nothing else
     puts, so only a backoff can bring its saves back (DESIGN.md §3.4)."""
-    answers = ScriptedAnswers().when("put", 0, lambda n, k: n == 0, -200)
+    answers = ScriptedAnswers().when("put", 0, lambda n, k: n == 0, StoreCode.NO_AVAILABLE_HANDLE)
     config = ConnectorConfig(block_size=4, save_decode_cache=True, pressure_backoff=2.0)
     h = Harness(config, variant, num_blocks=32, store=MemoryStore(answers))
     h.add("a", prompt(8), max_new_tokens=16)

@@ -47,8 +47,9 @@ from kvstate.harness import Harness
 from kvstate.invariants import Monitor
 from kvstate.memory_store import MemoryStore, StoreRaised
 from kvstate.protocols import ExecutorFactory, PlannerFactory
+from kvstate.store_codes import StoreCode
 
-ANSWERS = (0, -200, -800, "raise")
+ANSWERS = (StoreCode.OK, StoreCode.NO_AVAILABLE_HANDLE, StoreCode.TRANSFER_FAIL, "raise")
 
 
 class ConnectorMachine(RuleBasedStateMachine):
@@ -138,7 +139,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.rules_run += 1
         self.answers.append(answer)
 
-    @rule(code=st.sampled_from((-800, -1)))
+    @rule(code=st.sampled_from((StoreCode.TRANSFER_FAIL, -1)))
     def store_fails_next_get(self, code: int) -> None:
         self.rules_run += 1
         self.get_answers.append(code)

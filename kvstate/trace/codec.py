@@ -102,6 +102,8 @@ def encode_value(value: Any) -> Any:
         return [encode_value(v) for v in value]
     if kind is bytes:
         return {"@hex": value.hex()}
+    if isinstance(value, enum.IntEnum):  # a named integer (a store code): the integer
+        return int(value)
     if isinstance(value, enum.Enum):
         return {"@enum": kind.__name__, "value": value.value}
     if attrs.has(kind):
