@@ -184,7 +184,8 @@ def cmd_modelcheck(args: argparse.Namespace) -> int:
                 print(scope.describe(), flush=True)
             with recording(cov):
                 r = check(scope, protocol, budget=args.budget, max_states=args.max_states,
-                          reduce=not args.no_reduction, out_dir=args.out_dir)
+                          reduce=not args.no_reduction, out_dir=args.out_dir,
+                          engine=args.engine, workers=args.workers)
             runs.append(r)
             if not args.json:
                 verdict = "exhaustive" if r.exhaustive else (
@@ -311,16 +312,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.json:
             print("\n" + format_tools(tools))
     if "modelcheck" in parts:
-        from sim.modelcheck import SCOPES, check
+        from sim.bench import bench_modelcheck
 
-        r = check(SCOPES["tiny" if args.quick else "default"], "kvstate", out_dir=None)
-        report["modelcheck"] = {"scope": r.scope, "states": r.states,
-                                "transitions": r.transitions, "seconds": round(r.seconds, 2),
-                                "states_per_second": round(r.states_per_second),
-                                "exhaustive": r.exhaustive}
+        report["modelcheck"] = bench_modelcheck(
+            "tiny" if args.quick else "default", max_states=None if args.quick else 15_000)
         if not args.json:
-            print("model checker, kvstate:")
+            print("model checker, kvstate: legacy vs compact engine (same states, same run):")
             print(_table([[k, str(v)] for k, v in report["modelcheck"].items()]))
+    if "campaign" in parts:
+        from sim.bench import bench_campaign
+
+        report["campaign"] = bench_campaign(seeds=4 if args.quick else 16)
+        if not args.json:
+            print("campaign seeds per second with 1, 2 and all workers (same seeds):")
+            print(_table([[k, str(v)] for k, v in report["campaign"].items()]))
     if "check" in parts:
         from sim.bench import bench_check
 
@@ -656,6 +661,8 @@ def cmd_minimize(args: argparse.Namespace) -> int:
 
 
 def cmd_campaign(args: argparse.Namespace) -> int:
+    import os
+
     from sim.campaign import campaign, summary
 
     interactive = sys.stderr.isatty() and not args.json
@@ -666,9 +673,14 @@ def cmd_campaign(args: argparse.Namespace) -> int:
 
     results = []
     for protocol in args.protocol or ["kvstate"]:
-        results.append(campaign(protocol, budget=args.budget, seeds=args.seeds,
-                                start_seed=args.seed, progress=progress,
-                                stop_when_found=args.stop_when_found))
+        try:
+            results.append(campaign(protocol, budget=args.budget, seeds=args.seeds,
+                                    start_seed=args.seed, progress=progress,
+                                    stop_when_found=args.stop_when_found,
+                                    workers=args.workers or os.cpu_count() or 1,
+                                    ray_address=args.ray))
+        except RuntimeError as e:  # --ray without Ray installed, or no cluster there
+            raise UsageError(str(e)) from e
     if interactive:
         print(file=sys.stderr)
     failed_sites = [s for r in results if r.ok for s in r.never_fired] if args.require_fired \
@@ -694,6 +706,9 @@ def cmd_campaign(args: argparse.Namespace) -> int:
                 f"{k}={v}" for k, v in sorted(r.fired.items())))
             if r.never_fired:
                 print(f"  never fired: {', '.join(r.never_fired)}")
+    for r in results:
+        for inv in sorted(r.first_command):
+            print(f"{r.protocol} {inv}: reproduce: {r.first_command[inv]}")
     if failed_sites:
         print(f"FAIL: configured fault sites never fired: {', '.join(failed_sites)}")
     return 0 if ok else 1
@@ -924,6 +939,11 @@ def build_parser() -> argparse.ArgumentParser:
     camp.add_argument("--stop-when-found", action="store_true")
     camp.add_argument("--require-fired", action="store_true",
                       help="fail if a configured fault site never fired")
+    camp.add_argument("--workers", type=_positive_int, default=None,
+                      help="local worker processes (default: every core)")
+    camp.add_argument("--ray", metavar="ADDRESS", default=None,
+                      help="run seeds as tasks on this Ray cluster ('local': start one here; "
+                      "needs the ray extra)")
     camp.add_argument("--json", action="store_true")
     camp.set_defaults(func=cmd_campaign)
 
@@ -961,7 +981,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
     bench.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants",
                                                    "tools", "modelcheck", "hypothesis", "check",
-                                                   "vllm"),
+                                                   "vllm", "campaign"),
                        help="what to measure (default: core sim)")
     bench.add_argument("--tool-protocol", type=_protocol, action="append",
                        help="for 'tools': only these variants (repeatable; default: all)")
@@ -1002,6 +1022,10 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("--require-exhaustive", action="store_true",
                     help="exit 1 if a budget stopped the search")
     mc.add_argument("--out-dir", default=".", help="where counterexample traces go")
+    mc.add_argument("--engine", choices=("compact", "legacy"), default="compact",
+                    help="compact (default) or legacy (the original loop, for comparison)")
+    mc.add_argument("--workers", type=_positive_int, default=1,
+                    help="processes expanding each breadth-first level (compact engine)")
     mc.add_argument("--json", action="store_true")
     mc.set_defaults(func=cmd_modelcheck)
     diagram.add_argument("--json", action="store_true")
