@@ -37,19 +37,22 @@ from kvstate.config import ConnectorConfig
 from kvstate.events import BlockStored
 from kvstate.keys import chunk_hash, key_for, key_prefix
 from kvstate.records import (
+    CachedRequest,
     GenerationEnd,
     GenerationStart,
     GenKey,
     LoadMeta,
     LoadReport,
+    NewRequest,
     Plan,
     Report,
+    ResumedRequest,
     SaveMeta,
     SchedulerStep,
     Settlement,
     Violation,
 )
-from kvstate.tables import JOB, REQUEST, JobEvent, JobState, RequestEvent, RequestState
+from kvstate.tables import JOB, JobEvent, JobState, RequestEvent, RequestState
 from kvstate.tracker import JobBook, Tracker
 from kvstate.variants import KVSTATE, Variant
 
@@ -74,6 +77,38 @@ class LoadResult:
     req_id: str
     generation: int
     failed_block_ids: tuple[int, ...]
+
+
+# Request states in which a generation is running (scheduled and computing),
+# and in which a preemption names a request that is not running (S23).
+_RUNNING = frozenset({RequestState.PREFILLING, RequestState.DECODING, RequestState.RESUMED})
+_NOT_RUNNING = frozenset({
+    RequestState.PREEMPTED, RequestState.FINISHED, RequestState.ABSENT,
+    RequestState.LOOKUP_PENDING, RequestState.ALLOCATED, RequestState.LOAD_PARKED,
+})
+
+
+@attrs.define(slots=True)
+class _StepOutput:
+    """What one step's phases add up to; ``plan`` freezes it."""
+
+    pins: list[int] = attrs.Factory(list)
+    releases: list[int] = attrs.Factory(list)
+    saves: list[SaveMeta] = attrs.Factory(list)
+    loads: list[LoadMeta] = attrs.Factory(list)
+    started: list[GenerationStart] = attrs.Factory(list)
+    ended: list[GenerationEnd] = attrs.Factory(list)
+    violations: list[Violation] = attrs.Factory(list)
+    preempted: list[GenKey] = attrs.Factory(list)
+    finished: list[GenKey] = attrs.Factory(list)
+
+    def plan(self, step: int) -> Plan:
+        return Plan(
+            step=step, saves=tuple(self.saves), loads=tuple(self.loads),
+            preempted=tuple(self.preempted), finished=tuple(self.finished),
+            pins=tuple(self.pins), releases=tuple(self.releases),
+            started=tuple(self.started), ended=tuple(self.ended),
+            violations=tuple(self.violations))
 
 
 class Planner:
@@ -109,7 +144,7 @@ class Planner:
         tracker = self.trackers.get(req_id)
         if tracker is None or tracker.state is RequestState.FINISHED:
             tracker = self.trackers[req_id] = self._new_tracker(req_id)
-        tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.LOOKUP_STARTED)
+        tracker.fire(_RE.LOOKUP_STARTED)
         tracker.hashes = list(block_hashes)
         tracker.prefill_end = prompt_len
         per_block = self.config.hashes_per_block
@@ -158,14 +193,14 @@ class Planner:
         tracker = self.trackers.get(req_id)
         if tracker is None or tracker.state is RequestState.FINISHED:
             tracker = self.trackers[req_id] = self._new_tracker(req_id)
-        tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.ALLOCATE)
+        tracker.fire(_RE.ALLOCATE)
         tracker.block_ids = [list(t) for t in block_ids]
         if num_external_tokens > 0:
             tracker.load = (num_computed_tokens, num_computed_tokens + num_external_tokens)
             tracker.can_load = True
             self._load_queue.append(tracker)
             if load_async:
-                tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.PARK_FOR_LOAD)
+                tracker.fire(_RE.PARK_FOR_LOAD)
 
     def on_load_reports(self, reports: Sequence[LoadReport]) -> list[LoadResult]:
         """Collect per-rank load reports; a load is done when every rank reported."""
@@ -183,7 +218,7 @@ class Planner:
                 tracker.load = None
                 tracker.can_load = False
                 if tracker.state is RequestState.LOAD_PARKED:
-                    tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.LOAD_FINISHED)
+                    tracker.fire(_RE.LOAD_FINISHED)
             done.append(LoadResult(report.req_id, report.generation, tuple(failed)))
         return done
 
@@ -191,85 +226,87 @@ class Planner:
     # One scheduler step.
 
     def step(self, sched: SchedulerStep) -> Plan:
+        """One step's plan, in upstream's order (the module docstring): each
+        phase reads the scheduler output's part it names and adds to ``out``."""
         self._step += 1
-        config = self.config
-        variant = self.variant
-        pins: list[int] = []
-        releases: list[int] = []
-        saves: list[SaveMeta] = []
-        loads: list[LoadMeta] = []
-        started: list[GenerationStart] = []
-        ended: list[GenerationEnd] = []
-        violations: list[Violation] = []
-        preempted: list[GenKey] = []
-        finished: list[GenKey] = []
-
+        out = _StepOutput()
         if sched.preempted:
-            scheduled = {r.req_id for r in sched.new}
-            scheduled.update(r.req_id for r in sched.cached)
-            scheduled.update(r.req_id for r in sched.resumed)
-            for req_id in sched.preempted:
-                if req_id in scheduled:
-                    violations.append(Violation(
-                        "S23", f"request {req_id!r} is scheduled in step {self._step}, the "
-                        "step that preempts it"))
+            self._refuse_scheduled_preemptions(sched, out)
+        self._finish(sched.finished, out)
+        self._preempt(sched.preempted, out)
+        self._admit(sched.new, out)
+        if not self.config.is_consumer or self.config.save_decode_cache:
+            self._continue(sched.cached, out)
+        # Resumed after running: vLLM lists them last in the cached requests
+        # (``_make_cached_request_data`` chains running, then resumed), so
+        # upstream numbers their jobs after the running requests' jobs.
+        self._resume(sched.resumed, out)
+        self._plan_loads(out)
+        return out.plan(self._step)
 
-        for req_id in sched.finished:
+    def _refuse_scheduled_preemptions(self, sched: SchedulerStep, out: _StepOutput) -> None:
+        scheduled = {r.req_id for r in sched.new}
+        scheduled.update(r.req_id for r in sched.cached)
+        scheduled.update(r.req_id for r in sched.resumed)
+        for req_id in sched.preempted:
+            if req_id in scheduled:
+                out.violations.append(Violation(
+                    "S23", f"request {req_id!r} is scheduled in step {self._step}, the "
+                    "step that preempts it"))
+
+    def _finish(self, finished: Sequence[str], out: _StepOutput) -> None:
+        for req_id in finished:
             tracker = self.trackers.pop(req_id, None)
             if tracker is None:
                 continue  # finished before the connector ever saw it (abort in queue)
             self.quorum.request_finished(req_id)
             was_live = tracker.state is not RequestState.PREEMPTED
-            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.FINISH)
+            tracker.fire(_RE.FINISH)
             self._loads_pending.pop(tracker.gen_key, None)
             if was_live:
-                finished.append(tracker.gen_key)
-                ended.append(GenerationEnd(req_id, tracker.generation, "finished"))
-                self._end_generation(tracker, "finished", pins, releases)
+                self._end(tracker, "finished", out)
 
-        for req_id in sched.preempted:
+    def _preempt(self, preempted: Sequence[str], out: _StepOutput) -> None:
+        for req_id in preempted:
             tracker = self.trackers.get(req_id)
-            if tracker is None or tracker.state in (
-                RequestState.PREEMPTED, RequestState.FINISHED, RequestState.ABSENT,
-                RequestState.LOOKUP_PENDING, RequestState.ALLOCATED, RequestState.LOAD_PARKED,
-            ):
-                violations.append(Violation(
+            if tracker is None or tracker.state in _NOT_RUNNING:
+                out.violations.append(Violation(
                     "S23", f"preemption of request {req_id!r} that is not running "
                     f"(state {tracker.state.name if tracker else 'unknown'})"))
                 continue
-            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.PREEMPT)
+            tracker.fire(_RE.PREEMPT)
             tracker.load = None
-            preempted.append(tracker.gen_key)
-            ended.append(GenerationEnd(req_id, tracker.generation, "preempted"))
-            self._end_generation(tracker, "preempted", pins, releases)
+            self._end(tracker, "preempted", out)
 
-        is_consumer = config.is_consumer
-        bs = config.block_size
-        events_on = config.enable_kv_events
+    def _end(self, tracker: Tracker, reason: str, out: _StepOutput) -> None:
+        """A generation ends by the step's own output: finished or preempted."""
+        (out.finished if reason == "finished" else out.preempted).append(tracker.gen_key)
+        out.ended.append(GenerationEnd(tracker.req_id, tracker.generation, reason))
+        self._end_generation(tracker, reason, out.pins, out.releases)
 
-        for new in sched.new:
+    def _admit(self, new_requests: Sequence[NewRequest], out: _StepOutput) -> None:
+        variant = self.variant
+        is_consumer = self.config.is_consumer
+        events_on = self.config.enable_kv_events
+        for new in new_requests:
             tracker = self.trackers.get(new.req_id)
-            if tracker is not None and tracker.state in (
-                RequestState.PREFILLING, RequestState.DECODING, RequestState.RESUMED
-            ):
-                violations.append(Violation(
+            if tracker is not None and tracker.state in _RUNNING:
+                out.violations.append(Violation(
                     "K2", f"request {new.req_id!r} scheduled as new while generation "
                     f"{tracker.generation} is still running"))
-                self._end_generation(tracker, "finished", pins, releases)
-                finished.append(tracker.gen_key)
-                ended.append(GenerationEnd(new.req_id, tracker.generation, "finished"))
+                self._end(tracker, "finished", out)
                 tracker = None
             if tracker is None or tracker.state in (RequestState.PREEMPTED, RequestState.FINISHED):
                 tracker = self.trackers[new.req_id] = self._new_tracker(new.req_id)
             if tracker.state in (RequestState.ABSENT, RequestState.LOOKUP_PENDING):
-                tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.ALLOCATE)
+                tracker.fire(_RE.ALLOCATE)
             if tracker.state is RequestState.LOAD_PARKED:
-                violations.append(Violation(
+                out.violations.append(Violation(
                     "S13", f"request {new.req_id!r} scheduled while parked for a load"))
-                tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.LOAD_FINISHED)
-            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.SCHEDULE_PREFILL)
-            started.append(GenerationStart(new.req_id, tracker.generation, "new",
-                                           len(new.prompt_token_ids)))
+                tracker.fire(_RE.LOAD_FINISHED)
+            tracker.fire(_RE.SCHEDULE_PREFILL)
+            out.started.append(GenerationStart(new.req_id, tracker.generation, "new",
+                                               len(new.prompt_token_ids)))
             tracker.token_len = new.num_computed_tokens + new.num_scheduled_tokens
             tracker.block_ids = [list(t) for t in new.block_ids]
             tracker.hashes = list(new.block_hashes)
@@ -279,105 +316,95 @@ class Planner:
             skip = variant.skip_prefill_save(is_consumer) or variant.skip_on_loading_step(
                 tracker.can_load)
             tracker.can_load = False
-            self._maybe_save(tracker, skip, False, saves, pins)
+            self._maybe_save(tracker, skip, False, out.saves, out.pins)
 
-        if not is_consumer or config.save_decode_cache:
-            save_decode = config.save_decode_cache
-            trackers = self.trackers
-            for cached in sched.cached:
-                tracker = trackers.get(cached.req_id)
-                if tracker is None or tracker.ended:
-                    violations.append(Violation(
-                        "S23", f"request {cached.req_id!r} scheduled as running but has no "
-                        "live generation"))
-                    continue
-                is_decode = cached.num_computed_tokens >= tracker.prefill_end
-                if is_decode and not save_decode:
-                    continue  # fast path: decode saving off, no tracker work at all
-                if is_decode:
-                    if tracker.state is not RequestState.DECODING:
-                        tracker.state = REQUEST.fire(
-                            tracker.gen_key, tracker.state, _RE.SCHEDULE_DECODE)
-                        if is_consumer:
-                            tracker.num_saved_tokens = variant.consumer_decode_start(
-                                tracker.prefill_end, bs)
-                            tracker.save_at = variant.chunk_boundary(tracker.num_saved_tokens, bs)
-                else:
-                    tracker.state = REQUEST.fire(
-                        tracker.gen_key, tracker.state, _RE.SCHEDULE_PREFILL)
-                tracker.token_len += len(cached.new_token_ids)
-                if events_on and tracker.token_ids is not None:
-                    tracker.token_ids.extend(cached.new_token_ids)
-                new_blocks = cached.new_block_ids
-                if len(new_blocks) == 1:
-                    if new_blocks[0]:
-                        tracker.block_ids[0].extend(new_blocks[0])
-                else:
-                    for g, ids in enumerate(new_blocks):
-                        if ids:
-                            tracker.block_ids[g].extend(ids)
-                if cached.new_block_hashes:
-                    tracker.hashes.extend(cached.new_block_hashes)
-                if is_consumer and not is_decode:
-                    continue
-                # save_at is the chunk boundary (a multiple of the block size), so
-                # "a full block past it exists" is a plain comparison.
-                if tracker.token_len < tracker.save_at:
-                    continue
-                self._maybe_save(tracker, False, is_decode, saves, pins)
+    def _continue(self, cached_requests: Sequence[CachedRequest], out: _StepOutput) -> None:
+        """Running requests: more prefill chunks or decode tokens. The hot path."""
+        variant = self.variant
+        config = self.config
+        is_consumer = config.is_consumer
+        bs = config.block_size
+        events_on = config.enable_kv_events
+        save_decode = config.save_decode_cache
+        trackers = self.trackers
+        for cached in cached_requests:
+            tracker = trackers.get(cached.req_id)
+            if tracker is None or tracker.ended:
+                out.violations.append(Violation(
+                    "S23", f"request {cached.req_id!r} scheduled as running but has no "
+                    "live generation"))
+                continue
+            is_decode = cached.num_computed_tokens >= tracker.prefill_end
+            if is_decode and not save_decode:
+                continue  # fast path: decode saving off, no tracker work at all
+            if is_decode:
+                if tracker.state is not RequestState.DECODING:
+                    tracker.fire(_RE.SCHEDULE_DECODE)
+                    if is_consumer:
+                        tracker.num_saved_tokens = variant.consumer_decode_start(
+                            tracker.prefill_end, bs)
+                        tracker.save_at = variant.chunk_boundary(tracker.num_saved_tokens, bs)
+            else:
+                tracker.fire(_RE.SCHEDULE_PREFILL)
+            tracker.token_len += len(cached.new_token_ids)
+            if events_on and tracker.token_ids is not None:
+                tracker.token_ids.extend(cached.new_token_ids)
+            new_blocks = cached.new_block_ids
+            if len(new_blocks) == 1:
+                if new_blocks[0]:
+                    tracker.block_ids[0].extend(new_blocks[0])
+            else:
+                for g, ids in enumerate(new_blocks):
+                    if ids:
+                        tracker.block_ids[g].extend(ids)
+            if cached.new_block_hashes:
+                tracker.hashes.extend(cached.new_block_hashes)
+            if is_consumer and not is_decode:
+                continue
+            # save_at is the chunk boundary (a multiple of the block size), so
+            # "a full block past it exists" is a plain comparison.
+            if tracker.token_len < tracker.save_at:
+                continue
+            self._maybe_save(tracker, False, is_decode, out.saves, out.pins)
 
-        # Resumed after running: vLLM lists them last in the cached requests
-        # (``_make_cached_request_data`` chains running, then resumed), so
-        # upstream numbers their jobs after the running requests' jobs.
-        for res in sched.resumed:
+    def _resume(self, resumed: Sequence[ResumedRequest], out: _StepOutput) -> None:
+        config = self.config
+        for res in resumed:
             old = self.trackers.get(res.req_id)
             if old is None or old.state is not RequestState.PREEMPTED:
-                violations.append(Violation(
+                out.violations.append(Violation(
                     "S23", f"resumption of request {res.req_id!r} that was not preempted "
                     f"(state {old.state.name if old else 'unknown'})"))
                 if old is not None and not old.ended:
-                    self._end_generation(old, "preempted", pins, releases)
+                    self._end_generation(old, "preempted", out.pins, out.releases)
             tracker = self.trackers[res.req_id] = self._new_tracker(res.req_id)
-            tracker.state = REQUEST.fire(tracker.gen_key, tracker.state, _RE.RESUME)
-            started.append(GenerationStart(res.req_id, tracker.generation, "resumed",
-                                           old.prefill_end if old else len(res.all_token_ids)))
+            tracker.fire(_RE.RESUME)
+            out.started.append(GenerationStart(
+                res.req_id, tracker.generation, "resumed",
+                old.prefill_end if old else len(res.all_token_ids)))
             tracker.token_len = res.num_computed_tokens + res.num_scheduled_tokens
             tracker.block_ids = [list(t) for t in res.block_ids]
             tracker.hashes = list(res.block_hashes)
             # Upstream: the resumed tracker's prefill ends at everything known so far.
             tracker.prefill_end = len(res.all_token_ids)
-            if events_on:
+            if config.enable_kv_events:
                 tracker.token_ids = list(res.all_token_ids[:tracker.token_len])
             is_decode = res.num_computed_tokens >= tracker.prefill_end
-            tracker.state = REQUEST.fire(
-                tracker.gen_key, tracker.state,
-                _RE.SCHEDULE_DECODE if is_decode else _RE.SCHEDULE_PREFILL)
-            if is_consumer and not (config.save_decode_cache and is_decode):
+            tracker.fire(_RE.SCHEDULE_DECODE if is_decode else _RE.SCHEDULE_PREFILL)
+            if config.is_consumer and not (config.save_decode_cache and is_decode):
                 continue
-            self._maybe_save(tracker, False, is_decode, saves, pins)
+            self._maybe_save(tracker, False, is_decode, out.saves, out.pins)
 
-        # Load-only metas for requests allocated with an external hit since the
-        # last step (parked ones and synchronous loads alike).
+    def _plan_loads(self, out: _StepOutput) -> None:
+        """Load-only metas for requests allocated with an external hit since
+        the last step (parked ones and synchronous loads alike)."""
         for tracker in self._load_queue:
             if tracker.load is not None and not tracker.ended:
                 start, end = tracker.load
-                loads.append(LoadMeta(
+                out.loads.append(LoadMeta(
                     tracker.req_id, tracker.generation, start, end,
                     tuple(tuple(t) for t in tracker.block_ids), tuple(tracker.hashes)))
         self._load_queue.clear()
-
-        return Plan(
-            step=self._step,
-            saves=tuple(saves),
-            loads=tuple(loads),
-            preempted=tuple(preempted),
-            finished=tuple(finished),
-            pins=tuple(pins),
-            releases=tuple(releases),
-            started=tuple(started),
-            ended=tuple(ended),
-            violations=tuple(violations),
-        )
 
     def _maybe_save(
         self, tracker: Tracker, skip: bool, is_decode: bool, saves: list[SaveMeta],

@@ -8,7 +8,7 @@ and never leave the planner (what crosses to the ranks is a frozen
 
 from __future__ import annotations
 
-from kvstate.tables import RequestState
+from kvstate.tables import REQUEST, RequestEvent, RequestState
 
 
 class Tracker:
@@ -69,6 +69,11 @@ class Tracker:
     @property
     def gen_key(self) -> tuple[str, int]:
         return (self.req_id, self.generation)
+
+    def fire(self, event: RequestEvent) -> None:
+        """Move along the REQUEST table (`kvstate.tables`); an event the table
+        does not allow in this state raises ``IllegalTransition`` naming both."""
+        self.state = REQUEST.fire(self.gen_key, self.state, event)
 
 
 class JobBook:
