@@ -80,6 +80,11 @@ class RankJob:
         self.tokens_start = meta.token_ids_start
         self.tokens = meta.token_ids
 
+    def fire(self, rank: int, event: JobEvent) -> None:
+        """Move along the JOB table (`kvstate.tables`) for this job on ``rank``;
+        an event the table does not allow here raises ``IllegalTransition``."""
+        self.state = JOB.fire((self.meta.job_id, rank), self.state, event)
+
 
 class Executor:
     def __init__(
@@ -129,7 +134,7 @@ class Executor:
             entry = ledger.register(meta)  # before the queue put: S5
             block_ids, hashes = resolve(entry, meta)
             job = RankJob(meta, block_ids, hashes)
-            job.state = JOB.fire((meta.job_id, self.rank), job.state, _JE.ENQUEUE)
+            job.fire(self.rank, _JE.ENQUEUE)
             self.queue.append(job)
         for entry in ledger.sweep():
             self.skipped.pop(entry, None)
@@ -143,8 +148,7 @@ class Executor:
 
     def start(self, job: RankJob) -> ExistsCall | PutCall | Report:
         meta = job.meta
-        key = (meta.job_id, self.rank)
-        job.state = JOB.fire(key, job.state, _JE.DEQUEUE)
+        job.fire(self.rank, _JE.DEQUEUE)
         config = self.config
         variant = self.variant
         entry = self.ledger.live_entry(meta)
@@ -152,7 +156,7 @@ class Executor:
         job.token_len = token_len = meta.token_len // lcm * lcm
         if entry is None:
             self._observe_start(job, None, None)
-            job.state = JOB.fire(key, job.state, _JE.FOUND_STALE)
+            job.fire(self.rank, _JE.FOUND_STALE)
             return self._report(job, None)
 
         retry = variant.retry.get(self, entry, meta)
@@ -169,7 +173,7 @@ class Executor:
                 entry.clear_skip(expired=True)
                 self.skipped.pop(entry, None)
             else:
-                job.state = JOB.fire(key, job.state, _JE.SKIP_FOR_PRESSURE)
+                job.fire(self.rank, _JE.SKIP_FOR_PRESSURE)
                 if self.variant.skip_keeps_retry:
                     self._hold_retry(job)
                 return self._report(job, entry)
@@ -200,27 +204,26 @@ class Executor:
                 job.blocks.append(block)
                 job.chunks.append(cid)
         if not keys:
-            job.state = JOB.fire(key, job.state, _JE.NOTHING_TO_STORE)
+            job.fire(self.rank, _JE.NOTHING_TO_STORE)
             return self._succeeded(job)
         job.keys = tuple(keys)
         to_check = variant.exists_keys(job.keys)
         if not to_check:
-            job.state = JOB.fire(key, job.state, _JE.CHECK_EXISTS)
+            job.fire(self.rank, _JE.CHECK_EXISTS)
             return self.exists_answered(job, (False,) * len(keys))
-        job.state = JOB.fire(key, job.state, _JE.CHECK_EXISTS)
+        job.fire(self.rank, _JE.CHECK_EXISTS)
         return ExistsCall(self.rank, meta.job_id, to_check)
 
     def exists_answered(self, job: RankJob, present: Sequence[bool]) -> PutCall | Report:
-        key = (job.meta.job_id, self.rank)
         if len(present) != len(job.keys):
             raise ValueError(
                 f"job {job.meta.job_id} rank {self.rank}: {len(present)} exists answers for "
                 f"{len(job.keys)} keys")
         job.pending = [i for i, p in enumerate(present) if not p]
         if not job.pending:
-            job.state = JOB.fire(key, job.state, _JE.ALL_PRESENT)
+            job.fire(self.rank, _JE.ALL_PRESENT)
             return self._succeeded(job)
-        job.state = JOB.fire(key, job.state, _JE.PUT_MISSING)
+        job.fire(self.rank, _JE.PUT_MISSING)
         idx = job.pending
         if len(idx) == len(job.keys):  # the common case on a decode save: nothing deduped
             return PutCall(self.rank, job.meta.job_id, job.keys, tuple(job.groups),
@@ -235,16 +238,15 @@ class Executor:
 
     def put_answered(self, job: RankJob, codes: Sequence[int]) -> Report:
         meta = job.meta
-        key = (meta.job_id, self.rank)
         idx = job.pending
         if len(codes) != len(idx):
             raise ValueError(
                 f"job {meta.job_id} rank {self.rank}: {len(codes)} put codes for {len(idx)} puts")
         ok = [c == StoreCode.OK for c in codes]
         if all(ok):
-            job.state = JOB.fire(key, job.state, _JE.PUT_OK)
+            job.fire(self.rank, _JE.PUT_OK)
             return self._succeeded(job, idx)
-        job.state = JOB.fire(key, job.state, _JE.PUT_PARTIAL if any(ok) else _JE.PUT_FAILED)
+        job.fire(self.rank, _JE.PUT_PARTIAL if any(ok) else _JE.PUT_FAILED)
         if NO_AVAILABLE_HANDLE in codes:
             self.pressure = PRESSURE.fire(self.rank, self.pressure, PressureEvent.PUT_REJECTED)
             entry = self.ledger.live_entry(meta)
@@ -274,8 +276,7 @@ class Executor:
     def raised(self, job: RankJob, error: str) -> Report | None:
         """A store call raised. The job still reports (unless the variant lost
         its ``finally``); the offset stays where it was, so the next job retries."""
-        key = (job.meta.job_id, self.rank)
-        job.state = JOB.fire(key, job.state, _JE.RAISED)
+        job.fire(self.rank, _JE.RAISED)
         self._hold_retry(job)
         if self.variant.after_raise(job) is None:
             return None  # never reported: its ledger entry and pins leak (S4, S6)
@@ -358,7 +359,7 @@ class Executor:
         meta = job.meta
         self.ledger.retire_job(meta)
         outcome = job.state
-        job.state = JOB.fire((meta.job_id, self.rank), job.state, _JE.REPORT)
+        job.fire(self.rank, _JE.REPORT)
         confirmed = entry.saved_offset if entry is not None else 0
         if self.observer is not None:
             self.observer(JobFinished(
