@@ -7,10 +7,10 @@ keys vLLM's connector reads: ``metadata_server``, ``master_server_address``,
 
 Every store call runs on a worker thread and is bounded by ``timeout``
 seconds: upstream has no bound, so a hung master pins engine blocks forever
-(REFERENCE.md §6, S6). A call that times out raises ``TimeoutError`` — the
+(S6). A call that times out raises ``TimeoutError`` — the
 executor then reports its job failed and its pins are released — and the
 client is marked broken, because the stuck call still owns the connection.
-Failures are return codes, named by ``code_name`` (REFERENCE.md §4).
+Failures are return codes, named by ``code_name`` (`kvstate.store_codes`).
 """
 
 from __future__ import annotations

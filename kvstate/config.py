@@ -1,4 +1,4 @@
-"""Connector configuration: the knobs REFERENCE.md §2–§5 name, validated once.
+"""Connector configuration: the knobs upstream's connector reads, validated once.
 
 Every field is checked when the record is built, so a planner or executor never
 sees an impossible configuration. A bad value raises ``ValueError`` naming the
@@ -76,7 +76,7 @@ def _positive(field: str, value: Any) -> None:
 class ConnectorConfig:
     """What the scheduler side and every rank agree on.
 
-    ``put_step`` is the replication factor of REFERENCE.md §5: 1 when every rank
+    ``put_step`` is upstream's replication factor: 1 when every rank
     holds distinct KV heads, ``world_size`` for MLA (every rank holds the same
     bytes, so each chunk is stored by exactly one rank).
     ``alignment`` is the lcm boundary (defaults to ``block_size``).

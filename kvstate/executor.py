@@ -18,7 +18,7 @@ reported it. Every write to a generation's rank state (saved offset, pressure
 skip, retry suffix) re-checks that the job is still live at the moment of the
 write: a preemption may arrive between a job's store calls.
 
-The incremental store (seed 2): a rank remembers, per generation, the offset up
+The incremental store (docs/background.md): a rank remembers, per generation, the offset up
 to which it has really saved (``saved_offset``); a job checks and stores only
 chunks from there on, so a decode save touches one chunk, and the first job
 after a failure resumes exactly where the failure left off.

@@ -1,4 +1,4 @@
-"""Block hashes, chunks, store keys and store masks (REFERENCE.md §5).
+"""Block hashes, chunks, store keys and store masks (upstream's key format).
 
 A request's tokens are hashed in a chain at ``hash_block_size`` granularity:
 each hash folds in its parent, so one hash names a whole prefix. The store
@@ -150,7 +150,7 @@ def store_mask(
     blocks right before each boundary. Whether a block is kept depends only on
     its absolute index, so the mask of a prefix never changes as the aligned
     length grows, and a suffix mask is exactly the tail of the full mask (the
-    properties seed 2's tests pin).
+    properties upstream's incremental-saving tests pin).
     """
     if token_len % config.lcm_block_size:
         raise ValueError(

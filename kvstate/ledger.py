@@ -4,7 +4,7 @@ The ledger answers one question on every write a job makes — *is this job
 still live?* — and owns the per-request state (saved offset, retry suffix,
 pressure skip, block-table mirror) that only live jobs may touch.
 
-Three ledgers, one per era (REFERENCE.md §1):
+Three ledgers, one per era (docs/background.md, "Eras"):
 
 ``GenerationLedger`` (kvstate) keys everything by (request id, generation).
     A job can only ever reach its own generation's state, so id reuse and

@@ -7,7 +7,7 @@ engine (or the simulator, or a test) hands it a ``SchedulerStep`` and gets a
 ``Plan`` back; it hands it the ranks' ``Report``s and gets a ``Settlement``.
 
 Order within a step follows upstream's ``build_connector_meta``
-(REFERENCE.md §2): finished, preempted, new, cached (running, then resumed),
+(vLLM 0.33.0): finished, preempted, new, cached (running, then resumed),
 then loads.
 Finished and preempted come first so a generation is over before anything of
 the step could touch it. A request listed as both scheduled and preempted in

@@ -6,7 +6,8 @@ answer fails), settles it, and returns it; the monitor's findings say which
 invariants broke. The invariant catalogue names, for every invariant, a
 scenario and a variant that break it; the tests run both that pair and the
 default protocol on the same scenario. The interleavings are the ones the
-upstream bugs needed (REFERENCE.md §9), written down so they replay exactly.
+upstream bugs needed (docs/invariants.md cites each bug), written down so they replay
+exactly.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def shared_prefix(variant: str | Variant) -> Harness:
 @scenario("partial-put-failure")
 def partial_put_failure(variant: str | Variant) -> Harness:
     """The middle chunk's put fails once; the next decode job must retry it
-    from the rank's saved offset (seed 2)."""
+    from the rank's saved offset (incremental saving, docs/background.md)."""
     answers = ScriptedAnswers().when("put", 0, lambda n, k: n == 1, StoreCode.TRANSFER_FAIL)
     config = ConnectorConfig(block_size=4, save_decode_cache=True, enable_kv_events=True)
     h = Harness(config, variant, num_blocks=32, store=MemoryStore(answers))
@@ -195,7 +196,7 @@ def strided_events(variant: str | Variant) -> Harness:
 def evicted_and_reput(variant: str | Variant) -> Harness:
     """Two requests with one prompt; rank 1's puts all fail; between rank 0's
     two jobs the store evicts the chunks, so rank 0 puts and announces them
-    twice (REFERENCE.md §6 S16: value-counting can publish early)."""
+    twice (S16: upstream's value-counting can publish early)."""
     answers = ScriptedAnswers().when("put", 1, lambda n, k: True, StoreCode.TRANSFER_FAIL)
     config = ConnectorConfig(block_size=4, world_size=2, enable_kv_events=True)
     store = MemoryStore(answers)
@@ -259,7 +260,7 @@ def lookup_partial_namespace(variant: str | Variant) -> Harness:
 def consumer_backfill(variant: str | Variant) -> Harness:
     """A decode node (kv_consumer + save_decode_cache) whose prompt arrived by
     direct P→D transfer, so the store lacks it: its first decode save must
-    backfill the block-aligned prompt (seed 1)."""
+    backfill the block-aligned prompt (decode-phase saving, docs/background.md)."""
     config = ConnectorConfig(role=Role.CONSUMER, block_size=4, save_decode_cache=True,
                              enable_kv_events=True)
     h = Harness(config, variant, num_blocks=32)
@@ -271,7 +272,7 @@ def consumer_backfill(variant: str | Variant) -> Harness:
 @scenario("pressure-idle")
 def pressure_idle(variant: str | Variant) -> Harness:
     """The only running request hits -200 (store full) once; nothing else
-    puts, so only a backoff can bring its saves back (DESIGN.md §3.4)."""
+    puts, so only a backoff can bring its saves back (K6)."""
     answers = ScriptedAnswers().when("put", 0, lambda n, k: n == 0, StoreCode.NO_AVAILABLE_HANDLE)
     config = ConnectorConfig(block_size=4, save_decode_cache=True, pressure_backoff=2.0)
     h = Harness(config, variant, num_blocks=32, store=MemoryStore(answers))

@@ -11,7 +11,7 @@ The *worker side* (one per tensor-parallel rank, `kvstate.executor`) runs each
 job on a FIFO send thread: it checks which chunks already exist in the store,
 puts the missing ones, advances its own *saved offset*, emits KV events, and
 reports the job back. Nearly every serious upstream bug was a race between the
-two (REFERENCE.md §9), so each piece of state that crosses that boundary has a
+two (docs/invariants.md), so each piece of state that crosses that boundary has a
 machine here:
 
 ``REQUEST``  keyed by (request id, generation). A generation is one unbroken

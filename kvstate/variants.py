@@ -8,7 +8,7 @@ lets a test show each policy changes something observable.
 
 Names are the command line's: ``kvstate`` (default), ``e2`` (vLLM 0.33.0 as
 shipped), ``e1``, ``e0``, and kebab-case mutants of ``e2`` that each undo one
-upstream fix (REFERENCE.md §9 lists the bugs they bring back).
+upstream fix (docs/invariants.md cites the bugs they bring back).
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ def snapshot_suffix(tokens: list[int], start: int, end: int) -> tuple[int, ...]:
 
 def snapshot_from_zero(tokens: list[int], start: int, end: int) -> tuple[int, ...]:
     """Mutant: the snapshot starts at token 0 while ``token_ids_start`` says
-    ``start`` — the off-by-offset the incremental snapshot of seed 1 risks."""
+    ``start`` — the off-by-offset the incremental token snapshot risks."""
     return tuple(tokens[0:end - start])
 
 
 def backfill_prompt(prefill_end: int, block_size: int) -> int:
     """A consumer's first decode save starts at 0: with direct P→D transfer the
-    prompt may not be in the store, so the decode node puts it (seed 1)."""
+    prompt may not be in the store, so the decode node puts it (decode-phase saving)."""
     return 0
 
 
@@ -69,7 +69,7 @@ def no_backfill(prefill_end: int, block_size: int) -> int:
 
 class DeltaMetadata:
     """Only what is new since the generation's previous job travels; ranks
-    keep a mirror of the block table and hash chain (DESIGN.md §3.4)."""
+    keep a mirror of the block table and hash chain."""
 
     name = "delta"
 
@@ -211,7 +211,7 @@ class RetryByRequestId:
 
 def backoff_expires(skipped_since: float, now: float, backoff: float) -> bool:
     """kvstate: a skipped request is retried after a bounded backoff even if no
-    other put succeeds (otherwise an idle engine strands it: DESIGN.md §3.4)."""
+    other put succeeds (otherwise an idle engine strands it: K6)."""
     return now - skipped_since >= backoff
 
 
@@ -262,7 +262,7 @@ def save_from_zero(offset: int, meta_start: int) -> int:
 
 
 def save_from_meta(offset: int, meta_start: int) -> int:
-    """Before seed 2 a rank trusted the scheduler's start; with it, skipping
+    """Before incremental saving a rank trusted the scheduler's start; with it, skipping
     the prompt at the scheduler skips it in the store too."""
     return max(offset, meta_start)
 
@@ -372,7 +372,7 @@ class Variant:
     key_rank: Callable[[int], int] = key_rank_own
     # For drivers (simulator, adapters): how long a store call may take before
     # it counts as failed. Upstream has no bound, so a hung master pins blocks
-    # forever (REFERENCE.md §6, S6); seconds of the driver's clock.
+    # forever (S6); seconds of the driver's clock.
     call_timeout: float | None = 5.0
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -449,26 +449,26 @@ MUTANTS: tuple[Variant, ...] = (
             after_raise=swallow_after_raise),
     _mutant("boundary-without-plus-one", "E2 with chunk boundary cdiv(saved, bs)*bs",
             "LMCache#653", chunk_boundary=boundary_without_plus_one),
-    _mutant("save-on-loading-step", "E2 that saves in the step it loads", "REFERENCE §2",
+    _mutant("save-on-loading-step", "E2 that saves in the step it loads", "vLLM build_connector_meta",
             skip_on_loading_step=loading_step_saves),
     _mutant("consumer-without-backfill", "E2 whose consumer starts saving at the prompt's "
             "end (and ranks that trust the scheduler's start)", "vLLM#52466 review",
             consumer_decode_start=no_backfill, save_start=save_from_meta),
-    _mutant("consumer-saves-prefill", "E2 whose consumer also saves prefill", "REFERENCE §2",
+    _mutant("consumer-saves-prefill", "E2 whose consumer also saves prefill", "vLLM build_connector_meta",
             skip_prefill_save=consumer_saves_prefill),
     _mutant("advance-offset-on-failure", "E2 that advances the saved offset after a partial "
-            "failure", "seed 2", offset_after_failure=offset_advanced),
+            "failure", "incremental saving", offset_after_failure=offset_advanced),
     _mutant("stride-by-relative-chunk", "E2 striding by chunk position within the job",
-            "seed 2 (absolute chunk id)", stride_origin=stride_relative),
-    _mutant("skip-exists-check", "E2 that puts without checking existence", "seed 2",
+            "incremental saving (absolute chunk id)", stride_origin=stride_relative),
+    _mutant("skip-exists-check", "E2 that puts without checking existence", "incremental saving",
             exists_keys=check_none),
     _mutant("lookup-first-namespace", "E2 whose lookup checks only rank 0's namespace",
-            "REFERENCE §2 load path", lookup_namespaces=first_namespace),
-    _mutant("swallow-load-errors", "E2 that never reports failed loads", "REFERENCE §2",
+            "vLLM load path", lookup_namespaces=first_namespace),
+    _mutant("swallow-load-errors", "E2 that never reports failed loads", "vLLM build_connector_meta",
             load_errors=drop_load_errors),
     _mutant("snapshot-from-zero", "E2 whose event token snapshot ignores token_ids_start",
             "vLLM#52466 (incremental snapshot)", token_snapshot=snapshot_from_zero),
-    _mutant("key-without-rank", "E2 whose keys drop the rank namespace", "REFERENCE §5",
+    _mutant("key-without-rank", "E2 whose keys drop the rank namespace", "vLLM#56971",
             key_rank=key_rank_zero),
 )
 

@@ -1,5 +1,5 @@
 """The simulated Mooncake store: MemoryStore semantics plus what a real one
-does under load (REFERENCE.md §4): a capacity, -200 when full, background
+does under load (measured against a real master on loopback): a capacity, -200 when full, background
 eviction of the oldest objects (silently: the engine only sees a later miss),
 latency per call, and the faults the run's swarm switched on."""
 
@@ -11,7 +11,7 @@ from kvstate.memory_store import MemoryStore, StoreRaised
 from sim.faults import Faults
 from sim.kernel import Kernel
 
-# Latencies in seconds, from REFERENCE.md §4's loopback measurements: one
+# Latencies in seconds, from loopback measurements of a real master: one
 # batch_is_exist ~0.07-0.09 ms; a 256 KiB put at 0.9 GB/s ~0.3 ms per key.
 EXISTS_LATENCY = 0.00008
 PUT_LATENCY_PER_KEY = 0.0003

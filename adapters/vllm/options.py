@@ -14,7 +14,7 @@ fields, all prefixed ``kvstate_``:
 - ``kvstate_monitor``: ``off`` | ``log`` | ``raise`` — the invariant catalogue
   online, inside the engine;
 - ``kvstate_store_timeout``: seconds one store call may take (upstream has no
-  bound, REFERENCE.md §6 S6);
+  bound: S6);
 - ``kvstate_put_step``: override the derived replication factor.
 
 Unknown ``kvstate_*`` fields are refused (a typo must not silently turn a
