@@ -145,6 +145,10 @@ def minimize(options: SimOptions, invariant: str | None = None, max_runs: int = 
         nonlocal runs
         if runs >= max_runs:
             return None
+        try:  # a pass may propose a shape no engine can have: not a smaller failing run
+            build_configs(candidate)
+        except ValueError:
+            return None
         runs += 1
         result = simulate(candidate)
         return result if any(f.invariant == target for _, f in result.findings) else None
@@ -174,7 +178,8 @@ def minimize(options: SimOptions, invariant: str | None = None, max_runs: int = 
                 applied.append(f"fewer-faults -{site}")
         # fewer-ranks.
         if best.world_size > 1:
-            candidate = attrs.evolve(best, world_size=best.world_size // 2)
+            ranks = best.world_size // 2  # put_step must divide the world size
+            candidate = attrs.evolve(best, world_size=ranks, put_step=math.gcd(best.put_step, ranks))
             result = fails(candidate)
             if result is not None:
                 best, best_result = candidate, result
