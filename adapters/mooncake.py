@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import re
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -123,6 +124,24 @@ class _Call:
         self.done.acquire()
 
 
+def probe_master(address: str, timeout: float) -> None:
+    """Fail at once, naming the address, when no master listens there: the
+    client's own ``setup`` retries for a minute or more before it gives up.
+    Addresses that are not ``HOST:PORT`` (an HA ``etcd://`` list) are left to
+    the client."""
+    if "://" in address or "," in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"master address {address!r}: expected HOST:PORT")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"no mooncake_master reachable at {address} "
+                              f"({exc.strerror or exc})") from None
+
+
 class MooncakeStore:
     """One ``MooncakeDistributedStore`` with every call bounded by ``timeout``."""
 
@@ -131,6 +150,7 @@ class MooncakeStore:
         self.config = config
         self.timeout = timeout
         self.broken: str | None = None
+        probe_master(config.master_server_address, min(timeout, setup_timeout))
         self._store = _import_store()()
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         threading.Thread(target=self._worker, daemon=True, name="mooncake-calls").start()
