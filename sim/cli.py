@@ -629,6 +629,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from sim.observed import write_observed, write_observed_file
+
+    if args.output in (None, "-"):
+        cut = write_observed(args.trace, sys.stdout)
+    else:
+        cut = write_observed_file(args.trace, args.output)
+    if args.output not in (None, "-"):
+        print(f"{args.trace}: {cut.lines_in} lines -> {cut.lines_out} observed lines in "
+              f"{args.output} ({cut.records_dropped} annotation records dropped)")
+    return 0
+
+
 def cmd_minimize(args: argparse.Namespace) -> int:
     from sim.minimize import NothingToMinimize, minimize, options_from_trace
     from sim.runner import simulate
@@ -754,6 +767,30 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# What `kvstate real` may allocate, checked before a master starts or a tensor
+# is built: its KV caches are ranks x layers x (128 + 1) blocks of block_size x
+# 2 heads x 16 dims in float16 (`adapters.runner.run_real`), and one block must
+# fit the Mooncake client's 64 MiB transfer buffer.
+REAL_KV_BYTES = 1 << 30
+REAL_BLOCK_BYTES_PER_TOKEN = 2 * 16 * 2  # heads x head_dim x float16
+REAL_LAYERS, REAL_BLOCKS = 2, 128 + 1
+REAL_MAX_SEGMENT_MIB = 1 << 16
+
+
+def _check_real_bounds(args: argparse.Namespace) -> None:
+    kv_bytes = (args.world_size * REAL_LAYERS * REAL_BLOCKS * args.block_size
+                * REAL_BLOCK_BYTES_PER_TOKEN)
+    if kv_bytes > REAL_KV_BYTES:
+        most = REAL_KV_BYTES // (args.world_size * REAL_LAYERS * REAL_BLOCKS
+                                 * REAL_BLOCK_BYTES_PER_TOKEN)
+        raise UsageError(f"--block-size={args.block_size}: the KV caches would need "
+                         f"{kv_bytes / (1 << 30):.1f} GiB; at most {REAL_KV_BYTES >> 30} GiB "
+                         f"(--block-size <= {most} with --world-size {args.world_size})")
+    if not 16 <= args.segment_mib <= REAL_MAX_SEGMENT_MIB:
+        raise UsageError(f"--segment-mib={args.segment_mib}: Mooncake needs 16 MiB to "
+                         f"{REAL_MAX_SEGMENT_MIB} MiB per client segment here")
+
+
 def cmd_real(args: argparse.Namespace) -> int:
     import os
 
@@ -767,6 +804,7 @@ def cmd_real(args: argparse.Namespace) -> int:
         chain_hash_fn(args.block_hash)  # before a master starts: cbor2 may be missing
     except ValueError as exc:
         raise UsageError(f"--block-hash={args.block_hash}: {exc}") from None
+    _check_real_bounds(args)
     master = None
     try:
         if args.master:
@@ -906,6 +944,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replay with another variant (default: the trace's)")
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(func=cmd_replay)
+
+    trace = sub.add_parser("trace", help="trace tools: 'observed' cuts a trace to what an "
+                           "engine would write (specs/trace.md)")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    observed = trace_sub.add_parser("observed", help="drop kvstate's annotations: generations, "
+                                    "rank-state writes, verdicts, content tags")
+    observed.add_argument("trace")
+    observed.add_argument("-o", "--output", default=None,
+                          help="write here (default: standard output)")
+    observed.set_defaults(func=cmd_trace)
 
     mini = sub.add_parser("minimize", help="shrink a failing run, write its trace")
     mini.add_argument("from_trace", nargs="?", help="a failing simulator trace (or give options)")
