@@ -476,3 +476,31 @@ def test_bad_groups_are_a_usage_error(argv: list[str], why: str,
         code = exc.code
     assert code == 2
     assert why in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# 6. Soak figures: a buggy protocol measured to the end, dedup and pins.
+
+def test_keep_going_measures_e2_to_the_end(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --keep-going e2's run stops at its first violation, so its
+    figures describe a few requests; with it every arrival is served and the
+    violations are counted by invariant."""
+    assert main(["sim", "--protocol", "e2", "--requests", "60", "--json"]) == 1
+    first = json.loads(capsys.readouterr().out)["figures"]
+    assert main(["sim", "--protocol", "e2", "--requests", "60", "--keep-going", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    figures = out["figures"]
+    assert first["arrivals"] < figures["arrivals"] == 60
+    counted = figures["violations_by_invariant"]
+    assert counted.get("S16", 0) > 1 and sum(counted.values()) == len(out["violations"])
+
+
+def test_sim_reports_dedup_hits_and_pins() -> None:
+    """The dedup hit rate counts the ranks' existence checks that found the
+    key (the engine's own lookups are not saves); pins rise while jobs run and
+    are all released at the end."""
+    result = simulate(SimOptions(requests=60, seed=3))
+    f = result.figures
+    assert result.ok
+    assert 0 < f["dedup_hits"] and 0.0 < f["dedup_hit_rate"] < 1.0
+    assert f["peak_pins"] > 0 and f["pins_at_end"] == 0
