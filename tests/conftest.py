@@ -3,6 +3,10 @@
 The Mooncake tests run for real: a missing package or library fails them. They
 skip only when ``KVSTATE_NO_MOONCAKE=1`` says the store is unavailable on
 purpose.
+
+Markers (registered in pyproject.toml): ``slow`` (left out of a plain
+``pytest``; ``pytest -m ''`` runs everything, as CI does), ``mooncake`` (added
+here to every test that uses the real store), ``vllm``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,17 @@ import os
 import pytest
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+MOONCAKE_FIXTURES = {"mooncake_master", "mooncake_store"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that uses the real store carries the ``mooncake`` marker
+    (``-m 'not mooncake'`` leaves them out), wherever it lives."""
+    for item in items:
+        if MOONCAKE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.mooncake)
 
 
 @pytest.fixture(scope="session")

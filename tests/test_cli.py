@@ -60,6 +60,7 @@ def test_specs_are_fresh_and_diagram_prints_mermaid(capsys) -> None:
     assert code == 0 and out["mermaid"].startswith("stateDiagram-v2")
 
 
+@pytest.mark.slow
 def test_bench_quick_reports_both_protocols_and_ratios(capsys) -> None:
     code, out = run_json(capsys, "bench", "--quick", "core", "sim", "memory")
     assert code == 0

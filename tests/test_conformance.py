@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 pytest.importorskip("vllm")
 
 from adapters.vllm.conformance import (  # noqa: E402

@@ -23,6 +23,7 @@ TestDefaultProtocol = DefaultProtocol.TestCase
 TestDefaultProtocol.settings = CI
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [
     "e2", "e1", "req-id-counter-ledger", "missing-finally", "parent-previous-emitted",
     "no-pins-on-preemption", "retry-keyed-by-request", "boundary-without-plus-one",
@@ -54,6 +55,7 @@ def test_fuzz_command_reports_runs_and_coverage(tmp_path, capsys) -> None:
     assert "table entries the fuzzer's programs fired" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {"kvstate"}))
 def test_ci_profile_finds_the_variants_own_bug(variant: str, tmp_path) -> None:
     """Every variant, in one of the four engine shapes (tried in order; a shape

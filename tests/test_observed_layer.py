@@ -325,6 +325,7 @@ SMALL = SimOptions(requests=60)
 NEEDS_ANNOTATIONS = {"K1", "K2"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_variant_is_caught_from_the_observed_layer_alone(
         tmp_path: Path, variant: str) -> None:

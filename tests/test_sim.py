@@ -67,12 +67,14 @@ def test_pd_decode_engine_backfills_the_prompt(tmp_path: Path) -> None:
 VARIANT_NAMES = [v for v in VARIANTS if v != "kvstate"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
 def test_short_campaign_finds_every_variant(variant: str) -> None:
     result = campaign(variant, seeds=6, base=SMALL)
     assert result.counts, f"{variant}: nothing found in 6 seeds"
 
 
+@pytest.mark.slow
 def test_campaign_characteristic_findings() -> None:
     found = {v: set(campaign(v, seeds=6, base=SMALL).counts)
              for v in ("parent-previous-emitted", "e2", "key-without-rank")}
@@ -83,6 +85,7 @@ def test_campaign_characteristic_findings() -> None:
     assert "S8" in found["key-without-rank"]
 
 
+@pytest.mark.slow
 def test_every_fault_site_fires_in_a_campaign() -> None:
     result = campaign("kvstate", seeds=16, base=SMALL)
     assert result.ok, result.first_command

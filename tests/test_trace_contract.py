@@ -614,6 +614,7 @@ def traces(draw: st.DrawFn) -> list[Any]:
     return lines
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(lines=traces())
@@ -974,6 +975,7 @@ def _observation_lines(draw: st.DrawFn) -> str:
     return json.dumps(line)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("msgspec") is None, reason="msgspec not installed")
 @settings(max_examples=400, deadline=None)
 @given(text=_observation_lines())

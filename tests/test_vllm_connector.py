@@ -14,6 +14,8 @@ import uuid
 
 import pytest
 
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.slow]
+
 pytest.importorskip("vllm")
 pytest.importorskip("torch")
 
