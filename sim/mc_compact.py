@@ -266,15 +266,36 @@ def _worker(conn: Any, scope: Scope, protocol: str, reduce: bool,
             break
         known, chunk = message
         seen.update(known)
-        out = []
-        for key, blob in chunk:
-            e = expander.expand(key, blob, seen)
-            out.append(e)
-            seen.update(k for _, k, b in e.children if b is not None)
-            if e.violation is not None or e.quiet_violation is not None:
-                break  # the parent stops here; the rest of the slice is moot
-        conn.send(out)
+        conn.send(expand_slice(expander, chunk, seen))
     conn.close()
+
+
+def expand_slice(expander: Expander, chunk: list[tuple[bytes, bytes]], seen: Any
+                 ) -> list[Expanded]:
+    """A contiguous slice of a level; ``seen`` (``in`` and ``update``) learns
+    the keys the slice pickles, so none is pickled twice within it."""
+    out = []
+    for key, blob in chunk:
+        e = expander.expand(key, blob, seen)
+        out.append(e)
+        seen.update(k for _, k, b in e.children if b is not None)
+        if e.violation is not None or e.quiet_violation is not None:
+            break  # the parent stops here; the rest of the slice is moot
+    return out
+
+
+class _Overlay:
+    """The parent's own view for its slice: the merged keys plus its own."""
+
+    def __init__(self, base: Collection[bytes]) -> None:
+        self.base = base
+        self.extra: set[bytes] = set()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.extra or key in self.base
+
+    def update(self, keys: Any) -> None:
+        self.extra.update(keys)
 
 
 class _Pool:
@@ -284,7 +305,7 @@ class _Pool:
         ctx: Any = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
         self.conns = []
         self.procs = []
-        for _ in range(workers):
+        for _ in range(workers - 1):  # the parent expands the first slice itself
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(theirs, scope, protocol, reduce,
                                                   list(only) if only else None), daemon=True)
@@ -294,17 +315,22 @@ class _Pool:
             self.procs.append(p)
         self.told = 0  # how many keys of `order` every worker has been sent
 
-    def expand(self, level: list[tuple[bytes, bytes]], order: list[bytes]) -> list[Expanded]:
+    def expand(self, level: list[tuple[bytes, bytes]], order: list[bytes], expander: Expander,
+               parents: Collection[bytes]) -> list[Expanded]:
         known = order[self.told:]
         self.told = len(order)
-        n = len(self.conns)
+        n = len(self.conns) + 1
         size = -(-len(level) // n)
         slices = [level[i * size:(i + 1) * size] for i in range(n)]
-        for conn, part in zip(self.conns, slices):
+        for conn, part in zip(self.conns, slices[1:]):
             conn.send((known, part))
-        out: list[Expanded] = []
+        out = expand_slice(expander, slices[0], _Overlay(parents))
+        stopped = len(out) < len(slices[0])  # a violation: what follows is moot
         for conn in self.conns:
-            out.extend(conn.recv())
+            rest = conn.recv()
+            if not stopped:
+                out.extend(rest)
+                stopped = len(rest) < size
         return out
 
     def close(self) -> None:
@@ -349,7 +375,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
         try:
             while level and not stopped:
                 if pool is not None and len(level) >= 2 * workers:
-                    results: Any = pool.expand(level, order)
+                    results: Any = pool.expand(level, order, expander, parents)
                 else:
                     results = _inline(expander, level, parents)
                 following: list[tuple[bytes, bytes]] = []
