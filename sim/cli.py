@@ -1098,6 +1098,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstate {args.command}: error: {exc.filename or ''}: {exc.strerror}",
               file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: no traceback; what the command printed so far stands. 130 is
+        # the shell's code for a process ended by SIGINT (128 + 2).
+        print(f"kvstate {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
