@@ -634,6 +634,17 @@ def bench_hypothesis(examples: int = 100, steps: int = 40) -> dict[str, Any]:
 # Verification at scale (issue 11): model checker and campaign throughput.
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children: with the
+    wall-clock rate it tells parallel overhead from a machine shared with
+    other work (a loaded machine lowers the rate, not the CPU per unit)."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def bench_modelcheck(scope: str = "default", max_states: int | None = 15_000,
                      workers: Sequence[int] | None = None) -> dict[str, Any]:
     """States per second of the legacy and the compact model-checker engine
@@ -652,16 +663,20 @@ def bench_modelcheck(scope: str = "default", max_states: int | None = 15_000,
         if n > 1:
             plan.append(("compact", n))
     for engine, n in plan:
+        cpu = _cpu_seconds()
         r = check(sc, "kvstate", engine=engine, workers=n, max_states=max_states, out_dir=None)
+        cpu = _cpu_seconds() - cpu
         counts.add((r.states, r.transitions, r.quiet_states, r.exhaustive))
         runs[f"{engine}_w{n}"] = {"states": r.states, "transitions": r.transitions,
                                   "seconds": round(r.seconds, 2),
-                                  "states_per_s": round(r.states_per_second)}
+                                  "states_per_s": round(r.states_per_second),
+                                  "states_per_cpu_s": round(r.states / cpu) if cpu else 0}
     legacy = runs["legacy_w1"]["states_per_s"] or 1
     figures: dict[str, Any] = {"scope": scope, "max_states": max_states,
                                "same_counts": len(counts) == 1}
     for name, row in runs.items():
         figures[f"{name}_states_per_s"] = row["states_per_s"]
+        figures[f"{name}_states_per_cpu_s"] = row["states_per_cpu_s"]
         if name != "legacy_w1":
             figures[f"ratio_{name}_to_legacy"] = round(row["states_per_s"] / legacy, 2)
     figures["states"] = runs["legacy_w1"]["states"]
@@ -682,7 +697,10 @@ def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
     outcomes = []
     base = None
     for n in counts:
+        cpu = _cpu_seconds()
         r = campaign(protocol, seeds=seeds, workers=n)
+        cpu = _cpu_seconds() - cpu
+        figures[f"cpu_s_per_seed_w{n}"] = round(cpu / max(r.runs, 1), 3)
         doc = summary(r)
         outcomes.append({k: v for k, v in doc.items() if k not in ("seconds", "first_found")})
         rate = r.runs / r.seconds if r.seconds else 0.0
