@@ -23,6 +23,7 @@ from adapters.torch_kv import PagedKV
 from kvstate.blockhash import VLLM_SHA256
 from kvstate.config import ConnectorConfig
 from kvstate.harness import Harness
+from kvstate.keys import StoreKey, parse_key
 from kvstate.memory_store import StoreRaised
 from kvstate.observations import ExistsAnswered, JobStarted, Planned
 
@@ -45,11 +46,12 @@ def registered(store: MooncakeStore, tensors: Iterable[Any]) -> Iterator[None]:
                 break  # the store is broken; nothing more to release
 
 
-def key_fields(key: str) -> tuple[str, int, int]:
-    head, digest = key.rsplit("@", 1)
-    ns = int(head.split("@tp_rank:", 1)[1].split("@", 1)[0])
-    group = int(head.rsplit("@group:", 1)[1])
-    return digest, ns, group
+def key_fields(key: str) -> StoreKey:
+    """(digest hex, namespace, group) of a key kvstate wrote."""
+    fields = parse_key(key)
+    if fields is None:
+        raise ValueError(f"not a kvstate store key: {key!r}")
+    return fields
 
 
 class RealStore:

@@ -31,7 +31,15 @@ from collections.abc import Callable, Sequence
 
 from kvstate.config import ConnectorConfig, GroupKind
 from kvstate.events import BlockStored
-from kvstate.keys import cdiv, chunk_hash, key_prefix, store_mask, stride_residue
+from kvstate.keys import (
+    cdiv,
+    chunk_hash,
+    chunk_ids,
+    key_for,
+    key_prefix,
+    store_mask,
+    stride_residue,
+)
 from kvstate.ledger import RankRequest
 from kvstate.observations import JobFinished, JobStarted, Observation, StateWritten
 from kvstate.records import (
@@ -183,23 +191,18 @@ class Executor:
         put_step = config.put_step
         per_block = config.hashes_per_block
         hashes = job.hashes
-        first = cdiv(save_start, bs)
-        last = min(cdiv(token_len, bs), len(hashes) // per_block)
-        origin = variant.stride_origin(first)
+        origin = variant.stride_origin(cdiv(save_start, bs))
+        limit = len(hashes) // per_block
         keys: list[str] = []
         for g, mask in enumerate(masks):
             table = job.block_ids[g]
             prefix = self.prefixes[g]
-            residue = self.residues[g]
-            for cid in range(first, last):
-                if mask is not None and not mask[cid - first]:
-                    continue
-                if (cid - origin) % put_step != residue:
-                    continue
+            for cid in chunk_ids(save_start, token_len, bs, mask, put_step, self.residues[g],
+                                 limit=limit, origin=origin):
                 block = table[cid] if cid < len(table) else NULL_BLOCK_ID
                 if block == NULL_BLOCK_ID:
                     continue
-                keys.append(f"{prefix}@{chunk_hash(hashes, cid, per_block).hex()}")
+                keys.append(key_for(prefix, chunk_hash(hashes, cid, per_block)))
                 job.groups.append(g)
                 job.blocks.append(block)
                 job.chunks.append(cid)
@@ -412,7 +415,7 @@ class Executor:
             for cid in range(first, last):
                 if cid >= len(table) or table[cid] == NULL_BLOCK_ID:
                     continue
-                keys.append(f"{self.prefixes[g]}@{chunk_hash(load.block_hashes, cid, per_block).hex()}")
+                keys.append(key_for(self.prefixes[g], chunk_hash(load.block_hashes, cid, per_block)))
                 groups.append(g)
                 blocks.append(table[cid])
         return GetCall(self.rank, load.req_id, load.generation, tuple(keys), tuple(groups),

@@ -24,7 +24,7 @@ from kvstate.blockhash import chain_hash_fn
 from kvstate.config import ConnectorConfig
 from kvstate.executor import Executor
 from kvstate.invariants import Monitor
-from kvstate.keys import HashChain, cdiv, chunk_hash
+from kvstate.keys import HashChain, cdiv, chunk_hash, key_digest
 from kvstate.memory_store import MemoryStore, StoreRaised
 from kvstate.observations import (
     Allocated,
@@ -459,7 +459,7 @@ class Harness:
         ok: list[bool] = []
         for key, group, block in zip(call.keys, call.groups, call.block_ids):
             got = self.store.load(executor.rank, key, group, block)
-            good = got is not None and got.split("|", 1)[0] == key.rsplit("@", 1)[1]
+            good = got is not None and got.split("|", 1)[0] == key_digest(key)
             ok.append(good)
             self.pool.write(block, got.split("|", 1)[0] if good and got else "")
         report = executor.load_answered(call, ok)

@@ -1,7 +1,8 @@
 """The invariant catalogue and the monitor that checks it.
 
 Every invariant the project knows is one ``Invariant`` record in ``CATALOGUE``:
-its id (``S1``–``S23`` from REFERENCE.md §6, ``K1``… for kvstate's own), a
+its id (``S1``–``S23`` for upstream's, ``K1``… for kvstate's own; `docs/invariants.md`
+tells each one's history), a
 one-line statement, whether it is a safety or a liveness property, which
 observation checks it, the variant or fault that breaks it (a check that
 cannot fail is a defect: `tests/test_invariants.py` runs each breaker and
@@ -33,7 +34,7 @@ import attrs
 from kvstate.blockhash import KVSTATE, BlockHasher
 from kvstate.config import ConnectorConfig, GroupKind
 from kvstate.events import BlockStored
-from kvstate.keys import chunk_hash, key_prefix
+from kvstate.keys import chunk_hash, key_digest, key_for, key_prefix, parse_key
 from kvstate.observations import (
     BlockAllocated,
     BlockFreed,
@@ -92,18 +93,20 @@ CATALOGUE: tuple[Invariant, ...] = (
     Invariant("S8", "A key depends only on prefix hash, model, rank namespace and group",
               "safety", "PutDone", "key-without-rank", "reverse-ranks", "vLLM#56971"),
     Invariant("S9", "No job puts a key the store already holds without checking it first",
-              "safety", "PutDone", "skip-exists-check", "shared-prefix", "seed 2"),
+              "safety", "PutDone", "skip-exists-check", "shared-prefix",
+              "vLLM incremental saving"),
     Invariant("S10", "A range a rank skipped or failed is retried by the generation's next "
               "live job on that rank", "safety", "JobStarted", "advance-offset-on-failure",
-              "partial-put-failure", "seed 2"),
+              "partial-put-failure", "vLLM incremental saving"),
     Invariant("S11", "TP-strided chunks go to the rank owning their absolute chunk id",
               "safety", "JobFinished", "stride-by-relative-chunk", "strided-events",
-              "seed 2"),
+              "vLLM incremental saving"),
     Invariant("S12", "A rank's saved offset never exceeds the scheduler's mark for the "
               "generation and never moves backwards", "safety", "JobStarted, StateWritten",
               "e2", "reuse-with-stale-job", "vLLM#52372"),
     Invariant("S13", "No save job is emitted in a step that loads the same generation",
-              "safety", "Planned", "save-on-loading-step", "load-hit", "REFERENCE §2"),
+              "safety", "Planned", "save-on-loading-step", "load-hit",
+              "vLLM 0.33.0 build_connector_meta"),
     Invariant("S14", "A consumer saves only decode tokens, and only with save_decode_cache",
               "safety", "Planned", "consumer-saves-prefill", "consumer-backfill",
               "vLLM#52466"),
@@ -112,7 +115,8 @@ CATALOGUE: tuple[Invariant, ...] = (
               "vLLM#52466, vllm-ascend#12012"),
     Invariant("S16", "A published event's chunk was reported stored by a rank of every "
               "namespace (published only at quorum)",
-              "safety", "Settled", "e2", "evicted-and-reput", "REFERENCE §11"),
+              "safety", "Settled", "e2", "evicted-and-reput",
+              "vLLM 0.33.0 (measured: value counting)"),
     Invariant("S17", "A KV event's token ids are the chunk's tokens, or empty (recomputed with "
               "the hash function the trace's header names; not judged where it cannot be)",
               "safety",
@@ -120,10 +124,11 @@ CATALOGUE: tuple[Invariant, ...] = (
     Invariant("S18", "Ledger entries of finished requests are eventually deleted", "liveness",
               "Quiescent", "req-id-counter-ledger", "preempt-with-queued-job", "vLLM#51662"),
     Invariant("S19", "Every failed load is reported so the engine recomputes it", "safety",
-              "LoadDone", "swallow-load-errors", "load-evicted", "REFERENCE §2"),
+              "LoadDone", "swallow-load-errors", "load-evicted",
+              "vLLM get_block_ids_with_load_errors"),
     Invariant("S20", "A lookup hit was present in every rank namespace at lookup time",
               "safety", "LookupDone", "lookup-first-namespace", "lookup-partial-namespace",
-              "REFERENCE §2"),
+              "vLLM 0.33.0 lookup"),
     Invariant("S21", "After a preemption, no job of the preempted generation dequeued later "
               "puts", "safety",
               "PutDone", "req-id-counter-ledger", "preempt-with-queued-job", "vLLM#51637"),
@@ -131,7 +136,7 @@ CATALOGUE: tuple[Invariant, ...] = (
               "Planned", "fault: a plan repeating a job id", "synthetic", "vLLM#52372"),
     Invariant("S23", "A request is never scheduled in the step it is preempted", "safety",
               "Planned", "fault: engine schedules a preempted request", "synthetic",
-              "REFERENCE §6"),
+              "vLLM 0.33.0 (assumed, unchecked)"),
     Invariant("K1", "The content stored under a key is exactly that key's prefix shard (a put "
               "whose content was not observed, \"\", is not judged)", "safety", "PutDone", "e1",
               "preempt-running-job", "vLLM#52360"),
@@ -140,13 +145,14 @@ CATALOGUE: tuple[Invariant, ...] = (
               "vLLM#51637, #52466"),
     Invariant("K3", "At quiescence nothing is left: no pins, jobs, ledger entries, trackers "
               "or pending events", "liveness", "Quiescent", "e2", "store-raises",
-              "REFERENCE §11"),
+              "vLLM 0.33.0 (measured: events kept)"),
     Invariant("K4", "A consumer that rejects orphans accepts every published event",
               "safety", "Settled", "e2", "strided-events", "Dynamo#671"),
     Invariant("K5", "Every save job covers at least one new full block", "safety", "Planned",
               "boundary-without-plus-one", "decode-save", "LMCache#653"),
     Invariant("K6", "A generation skipped for store pressure is retried once the backoff "
-              "expired", "liveness", "JobFinished", "e2", "pressure-idle", "DESIGN §3.4"),
+              "expired", "liveness", "JobFinished", "e2", "pressure-idle",
+              "vLLM 0.33.0 pressure skip"),
 )
 
 INVARIANTS: dict[str, Invariant] = {inv.id: inv for inv in CATALOGUE}
@@ -173,31 +179,13 @@ def broken_by(variant: str) -> tuple[str, ...]:
 EVICTED_MEMORY = 1 << 17
 
 
-def _key_fields(key: str) -> tuple[str, int, int] | None:
-    """(hash hex, namespace, group) of a store key in kvstate's (upstream's)
-    format, ``None`` for a key in any other format."""
-    head, sep, digest = key.rpartition("@")
-    _, tp, rest = head.partition("@tp_rank:")
-    ns_text = rest.partition("@")[0]
-    group_text = head.rpartition("@group:")[2]
-    if not (sep and tp and ns_text.isascii() and ns_text.isdigit() and group_text.isascii()
-            and group_text.isdigit() and len(ns_text) < 10 and len(group_text) < 10):
-        return None
-    return digest, int(ns_text), int(group_text)
-
-
 def expected_content(key: str) -> str | None:
     """The content tag K1 expects under ``key`` (``None``: not kvstate's key format)."""
-    fields = _key_fields(key)
+    fields = parse_key(key)
     if fields is None:
         return None
     digest, ns, group = fields
     return f"{digest}|ns{ns}|g{group}"
-
-
-def key_digest(key: str) -> str:
-    """The hash part of a key: after its last ``@`` (the whole key if none)."""
-    return key.rpartition("@")[2]
 
 
 class _Gen:
@@ -245,6 +233,10 @@ class Monitor:
         # True when writers outside this trace share the store (a production
         # engine's trace): a key it never saw stored may still be present.
         self.shared_store = shared_store
+        unknown = sorted(set(only or ()) - set(INVARIANTS))
+        if unknown:
+            raise ValueError(f"unknown invariant id(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(INVARIANTS)})")
         self.enabled = frozenset(only) if only is not None else frozenset(INVARIANTS)
         self.findings: list[Finding] = []
         self.hasher = BlockHasher(block_hash, none_hash)
@@ -322,6 +314,8 @@ class Monitor:
     def fail(self, invariant: str, message: str) -> None:
         if invariant in self.enabled:
             self.findings.append(Finding(invariant, self.index, message))
+        elif invariant not in INVARIANTS:  # a checker's typo must not vanish silently
+            raise ValueError(f"a checker reported unknown invariant {invariant!r}")
 
     def fired(self) -> set[str]:
         return {f.invariant for f in self.findings}
@@ -330,6 +324,8 @@ class Monitor:
         """A check that could not be made for one observation (not a finding)."""
         if invariant in self.enabled:
             self.unchecked[(invariant, why)] += 1
+        elif invariant not in INVARIANTS:
+            raise ValueError(f"a checker skipped unknown invariant {invariant!r}")
 
     def disagree(self, invariant: str, what: str) -> None:
         """A recorder's own verdict that the observations do not bear out (a note)."""
@@ -714,7 +710,7 @@ class Monitor:
         if gen is not None and (obs.chunk_id + 1) * hpb <= len(gen.hashes):
             digest = chunk_hash(gen.hashes, obs.chunk_id, hpb).hex()
             where = (obs.rank, obs.group)
-            expected = f"{self._prefixes[where]}@{digest}"
+            expected = key_for(self._prefixes[where], digest)
             if obs.key != expected:
                 self.fail("S8", f"rank {obs.rank} put chunk {obs.chunk_id} of {gen_key} under "
                           f"{obs.key!r}, expected {expected!r}")
@@ -854,11 +850,11 @@ class Monitor:
 
     def _on_KeyEvicted(self, obs: KeyEvicted) -> None:
         self.store.discard(obs.key)
-        fields = _key_fields(obs.key)
+        fields = parse_key(obs.key)
         if fields is None:
             return  # not kvstate's key format: no group to forget it in
         try:
-            chunk = (fields[2], bytes.fromhex(fields[0]))
+            chunk = (fields.group, fields.chunk_hash())
         except ValueError:
             return
         if self.known_blocks.pop(chunk, 0) is None:
@@ -881,7 +877,7 @@ class Monitor:
         for digest in hashes_seen[:hit_chunks]:
             for ns in range(config.num_namespaces):
                 for g in range(len(config.groups)):
-                    key = f"{key_prefix(config, ns * config.put_step, g)}@{digest}"
+                    key = key_for(key_prefix(config, ns * config.put_step, g), digest)
                     if not present.get(key, False):
                         # The store's own answer did not support the hit: the
                         # planner concluded more than it was told.

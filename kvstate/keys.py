@@ -20,8 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from kvstate.config import ConnectorConfig, GroupKind
 
@@ -126,8 +126,42 @@ def key_prefix(config: ConnectorConfig, tp_rank: int, group: int) -> str:
     )
 
 
-def key_for(prefix: str, digest: bytes) -> str:
-    return f"{prefix}@{digest.hex()}"
+def key_for(prefix: str, digest: bytes | str) -> str:
+    """The store key of a chunk: ``key_prefix(...)`` and the chunk hash (bytes,
+    or already as hex). The one place keys are formatted; `parse_key` reads
+    them back."""
+    return f"{prefix}@{digest if isinstance(digest, str) else digest.hex()}"
+
+
+class StoreKey(NamedTuple):
+    """A store key in kvstate's (upstream's) format, read back: the chunk hash
+    as hex, the key's namespace (its ``tp_rank`` segment: ``tp_rank //
+    put_step``) and the KV-cache group."""
+
+    digest: str
+    namespace: int
+    group: int
+
+    def chunk_hash(self) -> bytes:
+        return bytes.fromhex(self.digest)
+
+
+def parse_key(key: str) -> StoreKey | None:
+    """The fields of a key `key_for` wrote, ``None`` for a key in any other
+    format (a store shared with other writers holds those too)."""
+    head, sep, digest = key.rpartition("@")
+    _, tp, rest = head.partition("@tp_rank:")
+    ns_text = rest.partition("@")[0]
+    group_text = head.rpartition("@group:")[2]
+    if not (sep and tp and ns_text.isascii() and ns_text.isdigit() and group_text.isascii()
+            and group_text.isdigit() and len(ns_text) < 10 and len(group_text) < 10):
+        return None
+    return StoreKey(digest, int(ns_text), int(group_text))
+
+
+def key_digest(key: str) -> str:
+    """The hash part of a key: after its last ``@`` (the whole key if none)."""
+    return key.rpartition("@")[2]
 
 
 # --------------------------------------------------------------------------
@@ -183,21 +217,24 @@ def chunk_ids(
     mask: list[bool] | None,
     put_step: int,
     put_rank: int,
-) -> Iterator[int]:
+    *,
+    limit: int | None = None,
+    origin: int = 0,
+) -> list[int]:
     """The chunks one rank owes for ``[start_token, token_len)`` (upstream
     ``process_tokens``): from ``cdiv(start_token, bs)``, masked, and strided by
     the *absolute* chunk id so a chunk always lands on the same rank whatever
-    offset a job starts from (S11)."""
+    offset a job starts from (S11). ``limit``: chunks past it have no hash yet;
+    ``origin``: where striding counts from (0; a variant's policy may move it).
+    The executor selects a job's chunks with this function."""
     first = cdiv(start_token, block_size)
     last = cdiv(token_len, block_size)
     if mask is not None:
         last = min(last, first + len(mask))
-    for cid in range(first, last):
-        if mask is not None and not mask[cid - first]:
-            continue
-        if cid % put_step != put_rank:
-            continue
-        yield cid
+    if limit is not None:
+        last = min(last, limit)
+    return [cid for cid in range(first, last)
+            if (mask is None or mask[cid - first]) and (cid - origin) % put_step == put_rank]
 
 
 def stride_residue(tp_rank: int, group: int, put_step: int) -> int:

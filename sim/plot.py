@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from kvstate.config import GroupKind
+from kvstate.keys import parse_key
 from kvstate.records import NULL_BLOCK_ID
 from kvstate.trace import TraceReader
 from sim.consumer import RadixConsumer
@@ -144,13 +145,14 @@ def read_timeline(path: str | Path) -> tuple[_Timeline, dict[str, Any]]:
                     line.rejections.append(t)
             elif kind == "ExistsAnswered":
                 line.exists.append((t, len(obs.keys), sum(obs.present)))
-            elif kind == "KeyEvicted" and "@tp_rank:0@" in obs.key:
+            elif kind == "KeyEvicted":
                 # The router forgets an evicted chunk (as the simulator's does).
-                head, _, digest = obs.key.rpartition("@")
-                try:
-                    consumer.forget(int(head.rpartition("@group:")[2]), bytes.fromhex(digest))
-                except ValueError:
-                    continue  # not a kvstate-format key
+                fields = parse_key(obs.key)
+                if fields is not None and fields.namespace == 0:
+                    try:
+                        consumer.forget(fields.group, fields.chunk_hash())
+                    except ValueError:
+                        continue  # a digest that is not hex
         return line, reader.header
 
 

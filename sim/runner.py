@@ -44,7 +44,7 @@ import attrs
 from kvstate.config import ConnectorConfig, GroupKind, GroupSpec, Role
 from kvstate.harness import EngineRequest, Harness
 from kvstate.invariants import INVARIANTS, Finding, Monitor
-from kvstate.keys import HashChain, chunk_hash
+from kvstate.keys import HashChain, chunk_hash, key_digest, parse_key
 from kvstate.observations import KeyEvicted, Observation, Planned, PutDone, Settled
 from kvstate.records import NULL_BLOCK_ID
 from kvstate.trace import encode_header, encode_observation
@@ -174,14 +174,15 @@ class _Recorder:
                 for req_id, gen in plan.finished:
                     self.by_request[(engine, req_id)] = (gen, set())
             elif kind is PutDone and obs.accepted:  # type: ignore[union-attr]
-                self.stored.add((obs.group, obs.key.rsplit("@", 1)[1]))  # type: ignore[union-attr]
+                self.stored.add((obs.group, key_digest(obs.key)))  # type: ignore[union-attr]
             if consumer is not None:
                 if type(obs) is Settled:
                     for event in obs.settlement.published:
                         consumer.accept(event)
-                elif type(obs) is KeyEvicted and "@tp_rank:0@" in obs.key:
-                    head, _, digest = obs.key.rpartition("@")
-                    consumer.forget(int(head.rpartition("@group:")[2]), bytes.fromhex(digest))
+                elif type(obs) is KeyEvicted:
+                    fields = parse_key(obs.key)
+                    if fields is not None and fields.namespace == 0:
+                        consumer.forget(fields.group, fields.chunk_hash())
             now = self.kernel.now
             if self.digest is not None:
                 line = encode_observation(obs, self.index, engine, now)

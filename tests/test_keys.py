@@ -137,3 +137,28 @@ def test_suffix_mask_equals_the_full_masks_tail(w, bs, seg, n, start) -> None:
         assert suffix is None
     else:
         assert suffix == full[first:]
+
+
+def test_parse_key_reads_back_what_key_for_wrote() -> None:
+    from kvstate.keys import StoreKey, key_digest, key_for, parse_key
+
+    config = ConnectorConfig(block_size=4, world_size=4, put_step=2, cache_prefix="pq",
+                             config_fingerprint="abc")
+    digest = bytes(range(16))
+    for rank in range(4):
+        for group in (0, 3):
+            key = key_for(key_prefix(config, rank, group), digest)
+            assert key == key_for(key_prefix(config, rank, group), digest.hex())
+            assert parse_key(key) == StoreKey(digest.hex(), rank // 2, group)
+            assert parse_key(key).chunk_hash() == digest  # type: ignore[union-attr]
+            assert key_digest(key) == digest.hex()
+    for other in ("plain", "a@b", "m@tp_rank:x@group:0@ff", "m@tp_rank:0@group:@ff"):
+        assert parse_key(other) is None
+
+
+def test_chunk_ids_limit_and_origin() -> None:
+    assert chunk_ids(4, 40, 4, None, 1, 0) == list(range(1, 10))
+    assert chunk_ids(4, 40, 4, None, 1, 0, limit=5) == [1, 2, 3, 4]
+    assert chunk_ids(0, 40, 4, None, 3, 1) == [1, 4, 7]
+    assert chunk_ids(4, 40, 4, None, 3, 1, origin=1) == [2, 5, 8]  # relative striding
+    assert chunk_ids(8, 24, 4, [True, False, True, True], 1, 0) == [2, 4, 5]
