@@ -44,8 +44,15 @@ from kvstate.trace import TraceError
 _PENDING, _RUNNING, _PREEMPTED = "pending", "running", "preempted"
 
 
+_IS_ATTRS: dict[type, bool] = {}
+
+
 def _with(record: Any, **changes: Any) -> Any:
-    if attrs.has(type(record)):
+    kind = type(record)
+    frozen = _IS_ATTRS.get(kind)
+    if frozen is None:
+        frozen = _IS_ATTRS[kind] = attrs.has(kind)
+    if frozen:
         return attrs.evolve(record, **changes)
     for name, value in changes.items():  # a fast-path struct: mutable, not shared
         setattr(record, name, value)
@@ -241,15 +248,25 @@ class Derivation:
 
     def _job_record(self, where: str, life: _Lifetimes, obs: Any,
                     absent: frozenset[str]) -> tuple[Any, frozenset[str]]:
-        changes: dict[str, Any] = {}
-        if self._needs(obs.generation, where, "generation"):
-            changes["generation"] = life.of_job(obs.job_id, where, "job_id")
-        for field in ("state_generation", "retry_generation"):
-            if getattr(obs, field, None) is not None:
-                self._mode(False, where, field)
-        return (_with(obs, **changes) if changes else obs), absent
+        # The most frequent lines (every put): the common cases inline.
+        if obs.generation == UNKNOWN:
+            if self.mode != "derived":
+                self._mode(True, where, "generation")
+            generation = life.jobs.get(obs.job_id)
+            if generation is None:
+                generation = life.of_job(obs.job_id, where, "job_id")  # raises
+            obs = _with(obs, generation=generation)
+        elif self.mode != "written":
+            self._mode(False, where, "generation")
+        return obs, absent
 
-    _on_JobStarted = _job_record
+    def _on_JobStarted(self, where: str, life: _Lifetimes, obs: Any,
+                       absent: frozenset[str]) -> tuple[Any, frozenset[str]]:
+        for field in ("state_generation", "retry_generation"):
+            if getattr(obs, field) is not None:
+                self._mode(False, where, field)
+        return self._job_record(where, life, obs, absent)
+
     _on_JobFinished = _job_record
     _on_PutDone = _job_record
 
