@@ -114,6 +114,7 @@ def test_e1_stale_job_is_found_with_a_shortest_replayable_trace(tmp_path) -> Non
     assert check_trace(str(prefix)).ok
 
 
+@pytest.mark.slow
 def test_kvstate_survives_two_ranks_and_a_reused_id_exhaustively() -> None:
     r = check(TWO_RANKS, "kvstate", out_dir=None)
     assert r.exhaustive and r.ok, r.violation
@@ -128,6 +129,7 @@ def test_model_checking_records_coverage_of_the_tables() -> None:
     assert (JobState.CHECKING, JobEvent.RAISED) in job  # a scripted raise of the check
 
 
+@pytest.mark.slow
 def test_modelcheck_command(tmp_path, capsys) -> None:
     assert main(["modelcheck", "--scope", "tiny", "--json", "--out-dir", str(tmp_path)]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -182,6 +184,7 @@ def test_every_variant_has_a_scope_that_finds_it() -> None:
     assert set(SCOPE_FINDS) == set(VARIANTS) - {"kvstate"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(SCOPE_FINDS))
 def test_model_checker_finds_the_variants_own_bug(variant: str, tmp_path) -> None:
     from kvstate.invariants import broken_by
@@ -193,6 +196,7 @@ def test_model_checker_finds_the_variants_own_bug(variant: str, tmp_path) -> Non
     assert r.violation.trace is not None and replay_trace(r.violation.trace).ok
 
 
+@pytest.mark.slow
 def test_bench_tools_fills_a_variants_row(tmp_path, capsys) -> None:
     from kvstate.invariants import broken_by
 
@@ -215,6 +219,7 @@ def _outcome(r) -> tuple:
             None if v is None else (v.invariant, v.actions))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(SCOPE_FINDS))
 def test_compact_engine_agrees_with_legacy_on_every_variant(variant: str) -> None:
     from kvstate.invariants import broken_by
@@ -227,6 +232,7 @@ def test_compact_engine_agrees_with_legacy_on_every_variant(variant: str) -> Non
 
 
 # (TWO_RANKS is left to the prefix test below: its legacy run alone takes ~25 s.)
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", [TINY, TWINS_ONE_RANK], ids=lambda s: s.name)
 def test_compact_engine_agrees_with_legacy_exhaustively(scope: Scope) -> None:
     legacy = check(scope, "kvstate", engine="legacy", out_dir=None)
@@ -239,6 +245,7 @@ def test_compact_engine_agrees_with_legacy_exhaustively(scope: Scope) -> None:
         assert _outcome(check(scope, "kvstate", out_dir=None, reduce=False)) == _outcome(plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCOPES))
 def test_compact_engine_agrees_with_legacy_on_every_scope_prefix(name: str) -> None:
     """The large scopes are too big for a test run of the legacy loop; both
@@ -350,6 +357,7 @@ def test_a_parallel_campaign_stops_at_the_same_seed_as_a_sequential_one() -> Non
     assert one.runs == 1
 
 
+@pytest.mark.slow
 def test_campaign_command_workers_and_reproduce_line(capsys) -> None:
     assert main(["campaign", "--protocol", "e1", "--seeds", "2", "--workers", "2",
                  "--stop-when-found"]) == 1
