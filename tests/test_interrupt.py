@@ -8,9 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_campaign_ends_it_without_a_traceback() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "sim.cli", "campaign", "--protocol", "e2", "--budget", "120"],

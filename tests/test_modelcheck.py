@@ -258,6 +258,7 @@ def test_compact_engine_agrees_with_legacy_on_every_scope_prefix(name: str) -> N
         assert _outcome(compact) == _outcome(legacy), (name, workers)
 
 
+@pytest.mark.slow
 def test_compact_engine_counterexample_with_workers_replays(tmp_path) -> None:
     legacy = check(SCOPES["twins"], "save-on-loading-step", engine="legacy", out_dir=None)
     r = check(SCOPES["twins"], "save-on-loading-step", workers=2, out_dir=str(tmp_path))
@@ -336,6 +337,7 @@ def _deterministic(result) -> dict:
     return {k: v for k, v in summary(result).items() if k not in ("seconds", "first_found")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["kvstate", "e1"])
 def test_campaign_result_is_the_same_for_any_number_of_workers(protocol: str) -> None:
     from sim.campaign import campaign
