@@ -188,11 +188,14 @@ def test_keys_leased_by_a_read_cannot_be_removed_and_are_named(mooncake_store) -
 
 
 def _keys_with_prefix(store: MooncakeStore, config: ConnectorConfig, arrivals) -> list[str]:
-    from kvstate.keys import chain_hashes, chunk_hash, key_for, key_prefix
+    """The keys ``run_real`` wrote, hashed as it hashes (vLLM's sha256 by default)."""
+    from kvstate.blockhash import VLLM_SHA256, chain_hash_fn
+    from kvstate.keys import HashChain, chunk_hash, key_for, key_prefix
 
     keys = []
     for _, tokens, _ in arrivals:
-        hashes = chain_hashes(list(tokens), config.hash_block)
+        hashes = HashChain(config.hash_block, list(tokens),
+                           hash_fn=chain_hash_fn(VLLM_SHA256)).hashes
         for cid in range(len(tokens) // config.block_size):
             keys.append(key_for(key_prefix(config, 0, 0), chunk_hash(hashes, cid, 1)))
     present = store.exists(keys)
