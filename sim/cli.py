@@ -117,6 +117,9 @@ def cmd_specs(args: argparse.Namespace) -> int:
         else:
             print(json.dumps({"ok": True, "violations": [], "written": [str(p) for p in written]}))
         return 0
+    if not root.is_dir():
+        raise UsageError(f"--root={root}: no specs directory there (run from a kvstate "
+                         "checkout, point --root at its specs/, or --write to create one)")
     stale = [rel for rel, text in rendered_specs().items()
              if not (root / rel).exists() or (root / rel).read_text() != text]
     if args.json:

@@ -53,6 +53,12 @@ def test_bad_input_exits_2_with_a_clear_message(capsys) -> None:
     assert "unknown protocol 'e3'" in capsys.readouterr().err
 
 
+def test_specs_outside_a_checkout_says_so_instead_of_calling_everything_stale(
+        tmp_path: Path, capsys) -> None:
+    assert main(["specs", "--root", str(tmp_path / "nowhere")]) == 2
+    assert "no specs directory there" in capsys.readouterr().err
+
+
 def test_specs_are_fresh_and_diagram_prints_mermaid(capsys) -> None:
     code, out = run_json(capsys, "specs", "--root", str(ROOT / "specs"))
     assert code == 0 and out["stale"] == []
