@@ -50,6 +50,7 @@ from kvstate.protocols import (
     StoreProtocol,
 )
 from kvstate.records import (
+    NULL_BLOCK_ID,
     CachedRequest,
     ExistsCall,
     GetCall,
@@ -352,13 +353,15 @@ class Harness:
         self.preemptions += 1
 
     def _grow(self, req: EngineRequest, tokens: int) -> tuple[tuple[int, ...], ...] | None:
-        need = cdiv(tokens, self.config.block_size) - len(req.blocks[0])
-        if need <= 0:
+        # Per group: a sliding-window table may start with null blocks (`_skip_window`).
+        target = cdiv(tokens, self.config.block_size)
+        needs = [max(0, target - len(table)) for table in req.blocks]
+        if not any(needs):
             return tuple(() for _ in req.blocks)
         out: list[tuple[int, ...]] = []
-        if need * len(req.blocks) > self.pool.num_free:
+        if sum(needs) > self.pool.num_free:
             return None
-        for table in req.blocks:
+        for table, need in zip(req.blocks, needs):
             got = self.pool.allocate(need, req.req_id)
             assert got is not None
             table.extend(got)
@@ -395,6 +398,8 @@ class Harness:
                     self.observe(LookupDone(req.req_id, query.generation, len(req.prompt),
                                             tuple(hashes_all), query.keys, present, req.hit))
             hit = req.hit
+            if hit:
+                self._skip_window(req, hit)
             if self._grow(req, max(hit, min(len(req.prompt), hit + budget))) is None:
                 return None
             self._allocate(req, hit, req.load_async and hit > 0)
@@ -412,6 +417,17 @@ class Harness:
         hashes = tuple(req.chain.extend(req.tokens[:hit + n]))
         return NewRequest(req.req_id, req.prompt, hit, n,
                           tuple(tuple(t) for t in req.blocks), hashes), n
+
+    def _skip_window(self, req: EngineRequest, hit: int) -> None:
+        """vLLM's ``SlidingWindowManager`` on an external hit: the blocks
+        wholly before the window of the first token to compute
+        (``get_num_skipped_tokens(hit) // block_size``) are the null block,
+        neither allocated nor loaded; the store holds a window group only
+        where some aligned hit needs it. Once per admission (empty tables)."""
+        bs = self.config.block_size
+        for spec, table in zip(self.config.groups, req.blocks):
+            if spec.sliding_window is not None and not table:
+                table.extend([NULL_BLOCK_ID] * (max(0, hit - spec.sliding_window + 1) // bs))
 
     def _allocate(self, req: EngineRequest, external: int, load_async: bool) -> None:
         blocks = tuple(tuple(t) for t in req.blocks)

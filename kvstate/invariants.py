@@ -34,7 +34,14 @@ import attrs
 from kvstate.blockhash import KVSTATE, BlockHasher
 from kvstate.config import ConnectorConfig, GroupKind
 from kvstate.events import BlockStored
-from kvstate.keys import chunk_hash, key_digest, key_for, key_prefix, parse_key
+from kvstate.keys import (
+    blocks_needed_for_hit,
+    chunk_hash,
+    key_digest,
+    key_for,
+    key_prefix,
+    parse_key,
+)
 from kvstate.observations import (
     BlockAllocated,
     BlockFreed,
@@ -301,6 +308,14 @@ class Monitor:
             for where, prefix in self._prefixes.items()
         }
         self._hashes_per_block = config.hashes_per_block  # properties, read per event
+        # S20 with a sliding-window group: per group, the blocks a hit needs
+        # before its boundary (None: every chunk, full attention). A window
+        # group stores only the blocks some aligned hit needs, so a lookup hit
+        # needs no more of it (vLLM 0.33.0's mask-aware lookup).
+        needs = tuple(None if g.kind is GroupKind.FULL or g.sliding_window is None
+                      else blocks_needed_for_hit(g.sliding_window, config.block_size)
+                      for g in config.groups)
+        self._hit_needs = needs if any(n is not None for n in needs) else None
         self._hash_block = config.hash_block
 
     def __getstate__(self) -> dict[str, Any]:
@@ -863,20 +878,47 @@ class Monitor:
             if len(evicted) > EVICTED_MEMORY:
                 del evicted[next(iter(evicted))]
 
+    def _lookup_required(self, obs: LookupDone, hit_chunks: int) -> list[tuple[str, list[int]]]:
+        """The hit chunks' digests and the groups each needs: full attention
+        every chunk of the hit, a sliding window only the blocks of its
+        window right before the hit boundary (upstream loads the null block
+        below it). Digests come from the lookup's hash chain, since a window
+        group's chunk outside every window has no key to read one from."""
+        needs = self._hit_needs
+        assert needs is not None
+        hpb = self._hashes_per_block
+        out: list[tuple[str, list[int]]] = []
+        for cid in range(hit_chunks):
+            groups = [g for g, need in enumerate(needs) if need is None or cid >= hit_chunks - need]
+            if not groups:
+                continue
+            if (cid + 1) * hpb > len(obs.block_hashes):
+                self.fail("S20", f"lookup of {obs.req_id!r} counted chunk {cid} as a hit but "
+                          f"its hash chain has only {len(obs.block_hashes)} hashes")
+                continue
+            out.append((chunk_hash(obs.block_hashes, cid, hpb).hex(), groups))
+        return out
+
     def _on_LookupDone(self, obs: LookupDone) -> None:
         config = self.config
         hit_chunks = -(-obs.hit_tokens // config.block_size)
-        # Lookup keys are chunk-major: collect the chunk digests in order, then
-        # require every namespace's and group's key of each hit chunk.
-        hashes_seen: list[str] = []
-        for key in obs.keys:
-            digest = key_digest(key)
-            if not hashes_seen or hashes_seen[-1] != digest:
-                hashes_seen.append(digest)
+        required: Sequence[tuple[str, Sequence[int]]]
+        if self._hit_needs is not None:
+            required = self._lookup_required(obs, hit_chunks)
+        else:
+            # Lookup keys are chunk-major: collect the chunk digests in order,
+            # then require every namespace's and group's key of each hit chunk.
+            hashes_seen: list[str] = []
+            for key in obs.keys:
+                digest = key_digest(key)
+                if not hashes_seen or hashes_seen[-1] != digest:
+                    hashes_seen.append(digest)
+            every_group = range(len(config.groups))
+            required = [(digest, every_group) for digest in hashes_seen[:hit_chunks]]
         present = dict(zip(obs.keys, obs.present))
-        for digest in hashes_seen[:hit_chunks]:
+        for digest, groups in required:
             for ns in range(config.num_namespaces):
-                for g in range(len(config.groups)):
+                for g in groups:
                     key = key_for(key_prefix(config, ns * config.put_step, g), digest)
                     if not present.get(key, False):
                         # The store's own answer did not support the hit: the

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvstate.config import ConnectorConfig
+from kvstate.config import ConnectorConfig, GroupKind
 from kvstate.events import BlockStored
-from kvstate.keys import chunk_hash, key_for, key_prefix
+from kvstate.keys import blocks_needed_for_hit, chunk_hash, key_for, key_prefix, store_mask
 from kvstate.records import (
     CachedRequest,
     GenerationEnd,
@@ -68,6 +68,10 @@ class LookupQuery:
     keys: tuple[str, ...]
     keys_per_chunk: int
     num_prompt_tokens: int
+    # With a sliding-window group: per chunk, the groups looked up (those whose
+    # lookup mask covers it); each chunk then has namespaces x len(groups) keys.
+    # None: every group of every chunk, ``keys_per_chunk`` keys each.
+    chunk_groups: tuple[tuple[int, ...], ...] | None = None
 
 
 @attrs.frozen(slots=True)
@@ -77,6 +81,28 @@ class LoadResult:
     req_id: str
     generation: int
     failed_block_ids: tuple[int, ...]
+
+
+def _window_hit(held: set[tuple[int, int]], groups: tuple[int, ...], need: int,
+                max_length: int, bs: int, lcm: int) -> int:
+    """``SlidingWindowManager.find_longest_cache_hit`` (vLLM 0.33.0, no
+    EAGLE): from the right, the first ``need`` contiguous held blocks whose
+    run starts (on the right) at an aligned boundary end the hit; with none,
+    the run from chunk 0 cut to the alignment. Only the window before the hit
+    boundary is needed: blocks further left are the null block."""
+    run = 0
+    for i in range(max_length // bs - 1, -1, -1):
+        if all((g, i) in held for g in groups):
+            if run == 0 and bs != lcm and (i + 1) * bs % lcm:
+                continue  # a run must end on an aligned boundary
+            run += 1
+            if run >= need:
+                return (i + run) * bs
+        else:
+            run = 0
+    while bs != lcm and run * bs % lcm:
+        run -= 1
+    return run * bs
 
 
 # Request states in which a generation is running (scheduled and computing),
@@ -129,6 +155,21 @@ class Planner:
             [key_prefix(config, ns * config.put_step, g) for g in range(self._num_groups)]
             for ns in variant.lookup_namespaces(config.num_namespaces)
         ]
+        # Upstream's spec groups (MooncakeStoreCoordinator
+        # ._verify_and_split_kv_cache_groups): groups with one spec are merged
+        # (a chunk is held only when all of them hold it), full attention
+        # first; ``need`` is None for full attention, else the contiguous
+        # blocks a sliding-window hit needs before its boundary.
+        specs: dict[int | None, list[int]] = {}
+        for g, spec in enumerate(config.groups):
+            window = None if spec.kind is GroupKind.FULL else spec.sliding_window
+            specs.setdefault(window, []).append(g)
+        self._spec_groups = sorted(
+            ((tuple(gs), None if w is None else blocks_needed_for_hit(w, config.block_size))
+             for w, gs in specs.items()),
+            key=lambda spec: spec[1] is not None)
+        self._windowed = any(need is not None for _, need in self._spec_groups)
+        self._simple_hybrid = len(self._spec_groups) == 2 and self._spec_groups[0][1] is None
 
     # ------------------------------------------------------------------
     # Load path.
@@ -151,14 +192,38 @@ class Planner:
         num_chunks = min(prompt_len, len(block_hashes) * self.config.hash_block)
         num_chunks = num_chunks // self.config.lcm_block_size * self.config.lcm_block_size
         num_chunks //= self.config.block_size
+        per_chunk = len(self._lookup_prefixes) * self._num_groups
+        if self._windowed:
+            return self._windowed_lookup(tracker, prompt_len, block_hashes, num_chunks, per_chunk)
         keys: list[str] = []
         for cid in range(num_chunks):
             digest = chunk_hash(block_hashes, cid, per_block)
             for prefixes in self._lookup_prefixes:
                 for prefix in prefixes:
                     keys.append(key_for(prefix, digest))
-        per_chunk = len(self._lookup_prefixes) * self._num_groups
         return LookupQuery(req_id, tracker.generation, tuple(keys), per_chunk, prompt_len)
+
+    def _windowed_lookup(self, tracker: Tracker, prompt_len: int, block_hashes: Sequence[bytes],
+                         num_chunks: int, per_chunk: int) -> LookupQuery:
+        """Upstream's ``MooncakeStoreWorker.lookup`` for a model with a
+        sliding-window group: a group's chunk is looked up only where its
+        lookup mask covers it (``coord.lookup_mask``: the store mask over the
+        aligned length, here `store_mask` from chunk 0), so the blocks the
+        window group never stores are not asked for."""
+        config = self.config
+        per_block = config.hashes_per_block
+        masks = store_mask(config, num_chunks * config.block_size)
+        keys: list[str] = []
+        chunk_groups: list[tuple[int, ...]] = []
+        for cid in range(num_chunks):
+            digest = chunk_hash(block_hashes, cid, per_block)
+            groups = tuple(g for g, mask in enumerate(masks) if mask is None or mask[cid])
+            chunk_groups.append(groups)
+            for prefixes in self._lookup_prefixes:
+                for g in groups:
+                    keys.append(key_for(prefixes[g], digest))
+        return LookupQuery(tracker.req_id, tracker.generation, tuple(keys), per_chunk, prompt_len,
+                           tuple(chunk_groups))
 
     def lookup_answered(self, query: LookupQuery, present: Sequence[bool]) -> int:
         """Tokens the store can provide: the longest prefix of chunks whose keys
@@ -168,6 +233,8 @@ class Planner:
             raise ValueError(
                 f"lookup_answered: {len(present)} answers for {len(query.keys)} keys"
             )
+        if query.chunk_groups is not None:
+            return self._windowed_answer(query, present)
         hit = 0
         per = query.keys_per_chunk
         for cid in range(len(query.keys) // per if per else 0):
@@ -178,6 +245,60 @@ class Planner:
         if tokens >= query.num_prompt_tokens:
             tokens = (query.num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
         return tokens
+
+    def _windowed_answer(self, query: LookupQuery, present: Sequence[bool]) -> int:
+        """Upstream's lookup answer with a sliding-window group: a (group,
+        chunk) is held when every looked-up namespace holds its key; the hit
+        is ``find_longest_cache_hit`` over what is held (`_longest_hit`), and
+        a hit covering the whole prompt is searched again below its last
+        token (``align_lookup_length(num_tokens - 1)``), so it stays on an
+        aligned boundary whose window the store holds."""
+        assert query.chunk_groups is not None
+        namespaces = len(self._lookup_prefixes)
+        held: set[tuple[int, int]] = set()
+        pos = 0
+        for cid, groups in enumerate(query.chunk_groups):
+            width = len(groups)
+            for j, g in enumerate(groups):
+                if all(present[pos + ns * width + j] for ns in range(namespaces)):
+                    held.add((g, cid))
+            pos += namespaces * width
+        if pos != len(present):
+            raise ValueError(f"lookup_answered: {len(present)} answers for a query of {pos} keys")
+        bs = self.config.block_size
+        hit = self._longest_hit(held, len(query.chunk_groups) * bs)
+        if hit >= query.num_prompt_tokens:
+            lcm = self.config.lcm_block_size
+            hit = self._longest_hit(held, (query.num_prompt_tokens - 1) // lcm * lcm)
+        return hit
+
+    def _longest_hit(self, held: set[tuple[int, int]], max_length: int) -> int:
+        """``MooncakeStoreCoordinator._find_hit_blocks`` (vLLM 0.33.0): each
+        spec group in turn shortens the hit (full attention: the longest run
+        of held chunks from chunk 0; a sliding window: `_window_hit`), until
+        no group shortens it further; a simple hybrid (full attention and one
+        window spec) stops after one pass, as upstream does."""
+        bs = self.config.block_size
+        lcm = self.config.lcm_block_size
+        hit_length = max_length
+        full_hit: int | None = None
+        while True:
+            curr = hit_length
+            for groups, need in self._spec_groups:
+                if need is None:
+                    if full_hit is None:
+                        n = 0
+                        while n < curr // bs and all((g, n) in held for g in groups):
+                            n += 1
+                        full_hit = n * bs
+                    curr = min(curr, full_hit)
+                else:
+                    curr = _window_hit(held, groups, need, curr, bs, lcm)
+            if curr >= hit_length:
+                return hit_length
+            hit_length = curr
+            if self._simple_hybrid:
+                return hit_length
 
     def allocate(
         self,
