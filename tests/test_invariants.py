@@ -146,3 +146,18 @@ def test_s20_a_key_another_engine_stored_is_a_note_in_a_shared_store() -> None:
     shared.observe(_lookup(keys, (True,), 16))
     assert shared.fired() == set()
     assert any("S20" in note for note in shared.notes())
+
+
+def test_an_unknown_invariant_id_is_an_error_not_silence() -> None:
+    """A monitor asked for an id the catalogue lacks, or a checker reporting
+    one, used to drop it without a word (a typo would switch a check off)."""
+    config = ConnectorConfig(block_size=4, world_size=2)
+    with pytest.raises(ValueError, match="unknown invariant id.*S99"):
+        Monitor(config, only=["S1", "S99"])
+    monitor = Monitor(config, only=["S1"])
+    monitor.fail("S2", "not enabled: ignored")  # known, just not asked for
+    with pytest.raises(ValueError, match="unknown invariant 'S2x'"):
+        monitor.fail("S2x", "a typo")
+    with pytest.raises(ValueError, match="unknown invariant 'Z9'"):
+        monitor.skip("Z9", "a typo")
+    assert monitor.findings == []
