@@ -268,8 +268,17 @@ def _worker(conn: Any, scope: Scope, protocol: str, reduce: bool,
             break
         known, chunk = message
         seen.update(known)
-        conn.send(expand_slice(expander, chunk, seen))
+        try:
+            conn.send(expand_slice(expander, chunk, seen))
+        except Exception:  # the parent raises it: a crash in the core is a finding too
+            import traceback
+
+            conn.send(WorkerError(traceback.format_exc()))
     conn.close()
+
+
+class WorkerError(RuntimeError):
+    """An exception inside a model-checker worker, with its traceback."""
 
 
 def expand_slice(expander: Expander, chunk: list[tuple[bytes, bytes]], seen: Any
@@ -330,6 +339,8 @@ class _Pool:
         stopped = len(out) < len(slices[0])  # a violation: what follows is moot
         for conn in self.conns:
             rest = conn.recv()
+            if isinstance(rest, WorkerError):
+                raise rest
             if not stopped:
                 out.extend(rest)
                 stopped = len(rest) < size

@@ -386,3 +386,23 @@ def test_campaign_on_a_local_ray_instance_matches_local_workers() -> None:
     local = campaign("e1", seeds=4, base=_small(), workers=1)
     ray = campaign("e1", seeds=4, base=_small(), ray_address="local")
     assert _deterministic(ray) == _deterministic(local)
+
+
+def test_an_exception_in_a_worker_reaches_the_parent(monkeypatch) -> None:
+    """A crash inside the core during a worker's expansion is raised in the
+    parent with the worker's traceback (not a bare broken pipe)."""
+    import os
+
+    import sim.mc_compact as mc
+
+    parent = os.getpid()
+    real = mc.apply
+
+    def crashing(scope, s, action, symmetric):
+        if os.getpid() != parent:
+            raise ValueError("the core crashed in a worker")
+        return real(scope, s, action, symmetric)
+
+    monkeypatch.setattr(mc, "apply", crashing)  # workers are forked: they inherit it
+    with pytest.raises(mc.WorkerError, match="the core crashed in a worker"):
+        check(TINY, "kvstate", workers=2, out_dir=None)
