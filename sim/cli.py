@@ -135,6 +135,10 @@ def cmd_diagram(args: argparse.Namespace) -> int:
 
     if args.machine not in MACHINES_BY_NAME:
         raise UsageError(f"unknown machine {args.machine!r}; known: {', '.join(MACHINES_BY_NAME)}")
+    if args.svg:
+        from sim.diagram_svg import command
+
+        return command(args)
     missing: list[str] = []
     machine = MACHINES_BY_NAME[args.machine]
     if args.coverage:
@@ -1053,6 +1057,9 @@ def build_parser() -> argparse.ArgumentParser:
     diagram.add_argument("machine", help="request, job, pressure, skip, retry, pin, saved_mark")
     diagram.add_argument("--coverage", nargs="+", metavar="TRACE",
                          help="colour the machine by the transitions these traces fired")
+    diagram.add_argument("--svg", metavar="OUT.svg",
+                         help="draw the machine as an SVG state diagram (needs the 'plot' "
+                         "extra); with --coverage, transitions green if fired, red if never")
 
     cover = sub.add_parser("coverage", help="which table entries and guard outcomes traces "
                            "exercised (all machines), and which they never did")
