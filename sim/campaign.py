@@ -82,6 +82,15 @@ class _Inline:
         pass
 
 
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent, which ends them: a terminal sends
+    SIGINT to the whole process group, and a worker's KeyboardInterrupt
+    would print a traceback per worker."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _Processes:
     """A local process pool (fork where available: no re-import per worker)."""
 
@@ -90,7 +99,7 @@ class _Processes:
 
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        self.pool = ctx.Pool(workers)
+        self.pool = ctx.Pool(workers, initializer=_ignore_sigint)
 
     def submit(self, *args: Any) -> Any:
         return self.pool.apply_async(run_seed, args)

@@ -259,6 +259,9 @@ class _Collector:
 
 def _worker(conn: Any, scope: Scope, protocol: str, reduce: bool,
             only: Sequence[str] | None) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (it ends us)
     gc.disable()
     expander = Expander(scope, protocol, reduce, only)
     seen: set[bytes] = set()
