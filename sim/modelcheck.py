@@ -59,6 +59,15 @@ checks that the reduced and unreduced explorations find the same verdicts.
 Breadth-first order makes the first violation found a shortest one; it is
 replayed on a recording harness and written as a kvstate trace that
 ``kvstate replay`` and ``kvstate check`` accept.
+
+Two engines run this search. ``compact`` (the default, `sim.mc_compact`)
+expands the frontier a level at a time, optionally in worker processes, cuts
+each used copy's reference cycles instead of leaving them to the cyclic
+collector, and writes the digest below byte for byte with a faster pickler;
+``legacy`` is the original loop (`_check_legacy`). They visit the same states
+in the same order: `tests/test_modelcheck.py` compares their verdicts, state
+and transition counts and counterexamples on every scope and variant. The
+renamings above, and so their soundness, are the same for both.
 """
 
 from __future__ import annotations
