@@ -9,7 +9,7 @@ coloured ``covered``, others ``partial`` or ``unvisited``.
 ``reference_machine`` builds a ``transitions`` machine from the same table
 (``transitions`` is imported only then: ``pip install 'kvstate[test]'``).
 It is far slower than dict dispatch (~5 µs a trigger against ~0.1 µs,
-REFERENCE.md §10), so the hot path never uses it; the tests use it as an
+measured here), so the hot path never uses it; the tests use it as an
 independent interpreter and require it to agree with ``Machine.fire`` on
 every (state, event) pair.
 """

@@ -1,6 +1,6 @@
 """The ``kvstate`` command line.
 
-Exit codes (DESIGN.md §7): 0 ok, 1 an invariant was violated, 2 a usage or
+Exit codes: 0 ok, 1 an invariant was violated, 2 a usage or
 input error. Every command takes ``--json`` and then prints exactly one JSON
 object with at least ``ok`` and ``violations``.
 """

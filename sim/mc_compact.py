@@ -131,9 +131,9 @@ def _constant_types() -> tuple[type, ...]:
     from kvstate.config import ConnectorConfig
     from kvstate.harness import Harness
     from kvstate.variants import Variant
-    from sim.modelcheck import ScriptedAnswers
+    from sim.modelcheck import NextAnswers
 
-    return (Harness, ConnectorConfig, Variant, BlockPool, ScriptedAnswers)
+    return (Harness, ConnectorConfig, Variant, BlockPool, NextAnswers)
 
 
 _CONSTANT_TYPES = _constant_types()

@@ -315,7 +315,7 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
 # The explored system.
 
 
-class ScriptedAnswers:
+class NextAnswers:
     """The store's answers for the next call (set by the action being taken).
     A class, not a closure, so the harness stays picklable."""
 
@@ -350,7 +350,7 @@ class System:
     """One state: the harness plus the model checker's budgets."""
 
     h: Harness
-    answers: ScriptedAnswers
+    answers: NextAnswers
     admitted: tuple[bool, ...]
     faults: int
     evictions: int
@@ -362,7 +362,7 @@ def initial(scope: Scope, variant: str, *, reduce: bool = True,
             only: Sequence[str] | None = None) -> System:
     """``only``: check just these invariants (all by default)."""
     config = scope.config()
-    answers = ScriptedAnswers()
+    answers = NextAnswers()
     h = Harness(config, variant, num_blocks=scope.num_blocks, store=MemoryStore(answers),
                 token_budget=scope.token_budget, record=False, keep_finished=False,
                 auto_preempt=True, monitor=Monitor(config, only=only))

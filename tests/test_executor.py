@@ -1,4 +1,4 @@
-"""Worker-side behaviour, as scenarios (REFERENCE.md §3, seeds 1 and 2)."""
+"""Worker-side behaviour, as scenarios (decode-phase and incremental saving)."""
 
 from __future__ import annotations
 

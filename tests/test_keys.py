@@ -1,4 +1,4 @@
-"""Keys, chunks and store masks (REFERENCE.md §5, seed 2)."""
+"""Keys, chunks and store masks (upstream's key format; incremental saving)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduler-side behaviour, as scenarios (REFERENCE.md §2, seed 1)."""
+"""Scheduler-side behaviour, as scenarios (upstream's build_connector_meta; decode saving)."""
 
 from __future__ import annotations
 
