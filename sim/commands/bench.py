@@ -1,0 +1,151 @@
+"""``kvstate bench``: benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from sim.commands.errors import UsageError
+from sim.commands.options import positive_int, protocol_name
+from sim.commands.output import envelope, table
+
+
+def _bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM connector bench runs in its own process (`adapters.vllm.bench`):
+    it needs the vllm extra, and upstream's connector keeps a ZMQ context that
+    would block this process's exit."""
+    import subprocess
+
+    command = [sys.executable, "-m", "adapters.vllm.bench", "--json"]
+    if args.quick:
+        command += ["--context", "1024", "--context", "4096", "--requests", "16",
+                    "--repeats", "1"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise UsageError("bench vllm needs vLLM 0.33.0 (adapters/vllm/requirements-cpu.txt, "
+                         f"then pip install --no-deps vllm==0.33.0): {done.stderr[-500:]}")
+    report: dict[str, Any] = json.loads(lines[-1])
+    if not args.json:
+        from adapters.vllm.bench import format_vllm
+
+        print(format_vllm(report))
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.bench import bench_core, bench_memory, bench_sim, format_report, ratio_lines
+
+    parts = set(args.part or ["core", "sim"])
+    report: dict[str, Any] = {}
+    if "core" in parts:
+        if args.quick:
+            core = bench_core(contexts=(1024, 16384), requests=64, cycles=1, repeats=1)
+        else:
+            core = bench_core(contexts=tuple(args.context), requests=args.requests,
+                              world=args.world_size, cycles=args.cycles, repeats=args.repeats)
+        report["core"] = {"results": core, "ratios": ratio_lines(core)}
+        if not args.json:
+            print(f"core bookkeeping per request-step, {next(iter(core.values()))['requests']} "
+                  "decoding requests, block size 16, no store I/O (medians, microseconds)")
+            print(format_report(core) + "\n")
+    if "sim" in parts:
+        sim = bench_sim(requests=80 if args.quick else 400)
+        report["sim"] = sim
+        if not args.json:
+            print("simulator, every invariant checked after every observation:")
+            print(table([[k, str(v)] for k, v in sim.items()]) + "\n")
+    if "memory" in parts:
+        counts = (1000, 4000) if args.quick else tuple(args.memory_requests)
+        memory = bench_memory(counts)
+        report["memory"] = memory
+        if not args.json:
+            print("peak memory of FAST'25 runs (fresh process each, scale 512):")
+            print(table([[k, str(v)] for k, v in memory.items()]))
+    if "variants" in parts:
+        from sim.bench import bench_variants
+
+        variants = bench_variants(trials=2 if args.quick else 5, budget=10 if args.quick else 60)
+        report["variants"] = variants
+        if not args.json:
+            print("campaigns per variant (first violation; median wall seconds to find):")
+            rows = [["variant", "invariants found", "median s"]]
+            for name, row in variants.items():
+                rows.append([name, " ".join(row["found"]) or "-",
+                             str(row.get("median_seconds_to_find", "-"))])
+            print(table(rows))
+    if "tools" in parts:
+        from sim.bench import bench_tools, format_tools
+
+        def show(name: str, row: dict[str, Any]) -> None:
+            if not args.json:
+                print(format_tools({name: row}).splitlines()[1], flush=True)
+
+        if not args.json:
+            print("bug-finding power: each variant against the simulator campaign, the "
+                  "Hypothesis CI profile and the model checker, checking the variant's own "
+                  "invariants (first violation each)")
+        tools = bench_tools(args.tool_protocol, sim_budget=5 if args.quick else 30,
+                            mc_budget=10 if args.quick else 60, out_dir=args.out_dir,
+                            progress=show)
+        report["tools"] = tools
+        if not args.json:
+            print("\n" + format_tools(tools))
+    if "modelcheck" in parts:
+        from sim.bench import bench_modelcheck
+
+        report["modelcheck"] = bench_modelcheck(
+            "tiny" if args.quick else "default", max_states=None if args.quick else 15_000)
+        if not args.json:
+            print("model checker, kvstate: legacy vs compact engine (same states, same run):")
+            print(table([[k, str(v)] for k, v in report["modelcheck"].items()]))
+    if "campaign" in parts:
+        from sim.bench import bench_campaign
+
+        report["campaign"] = bench_campaign(seeds=4 if args.quick else 16)
+        if not args.json:
+            print("campaign seeds per second with 1, 2 and all workers (same seeds):")
+            print(table([[k, str(v)] for k, v in report["campaign"].items()]))
+    if "check" in parts:
+        from sim.bench import bench_check
+
+        report["check"] = bench_check(requests=80 if args.quick else 400)
+        if not args.json:
+            print("trace check against bare parsing (same lines, same process, best of 3):")
+            print(table([[k, str(v)] for k, v in report["check"].items()]))
+    if "vllm" in parts:
+        report["vllm"] = _bench_vllm(args)
+    if "hypothesis" in parts:
+        from sim.bench import bench_hypothesis
+
+        report["hypothesis"] = bench_hypothesis(examples=20 if args.quick else 100)
+        if not args.json:
+            print("Hypothesis rule steps per second (same run, same settings):")
+            print(table([[k, str(v)] for k, v in report["hypothesis"].items()]))
+    if args.json:
+        print(envelope({"ok": True, "violations": [], **report}))
+    return 0
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
+    parser.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants",
+                                                   "tools", "modelcheck", "hypothesis", "check",
+                                                   "vllm", "campaign"),
+                       help="what to measure (default: core sim)")
+    parser.add_argument("--tool-protocol", type=protocol_name, action="append",
+                       help="for 'tools': only these variants (repeatable; default: all)")
+    parser.add_argument("--out-dir", default=".",
+                       help="for 'tools': where counterexample traces go")
+    parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
+    parser.add_argument("--memory-requests", type=positive_int, nargs="+",
+                       default=[10_000, 100_000])
+    parser.add_argument("--context", type=positive_int, nargs="+", default=[1024, 131072])
+    parser.add_argument("--requests", type=positive_int, default=256)
+    parser.add_argument("--world-size", type=positive_int, default=8)
+    parser.add_argument("--cycles", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=run)

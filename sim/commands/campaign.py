@@ -1,0 +1,82 @@
+"""``kvstate campaign``: many seeds per protocol; what each violates."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from sim.commands.errors import UsageError
+from sim.commands.options import add_protocols, nonneg_int, positive_int
+from sim.commands.output import envelope, table
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from sim.campaign import campaign, summary
+
+    interactive = sys.stderr.isatty() and not args.json
+
+    def progress(message: str) -> None:
+        if interactive:
+            print("\r" + message[:100].ljust(100), end="", file=sys.stderr, flush=True)
+
+    results = []
+    for protocol in args.protocol or ["kvstate"]:
+        try:
+            results.append(campaign(protocol, budget=args.budget, seeds=args.seeds,
+                                    start_seed=args.seed, progress=progress,
+                                    stop_when_found=args.stop_when_found,
+                                    workers=args.workers or os.cpu_count() or 1,
+                                    ray_address=args.ray))
+        except RuntimeError as e:  # --ray without Ray installed, or no cluster there
+            raise UsageError(str(e)) from e
+    if interactive:
+        print(file=sys.stderr)
+    failed_sites = [s for r in results if r.ok for s in r.never_fired] if args.require_fired \
+        else []
+    ok = all(r.ok for r in results) and not failed_sites
+    if args.json:
+        print(envelope({"ok": ok, "violations": [
+            {"invariant": inv, "event_index": -1, "message":
+             f"{r.protocol}: first after {t}s; reproduce: {r.first_command[inv]}"}
+            for r in results for inv, t in r.first_found.items()],
+            "never_fired": failed_sites, "campaigns": [summary(r) for r in results]}))
+        return 0 if ok else 1
+    rows = [["protocol", "runs", "seconds", "invariants violated (first found after s)"]]
+    for r in results:
+        found = ", ".join(f"{inv} {t:.2f}" for inv, t in sorted(r.first_found.items(),
+                                                                key=lambda kv: kv[1]))
+        rows.append([r.protocol, str(r.runs), f"{r.seconds:.1f}", found or "-"])
+    print(table(rows))
+    for r in results:
+        if r.ok:
+            print(f"{r.protocol}: fault sites fired: " + ", ".join(
+                f"{k}={v}" for k, v in sorted(r.fired.items())))
+            if r.never_fired:
+                print(f"  never fired: {', '.join(r.never_fired)}")
+    for r in results:
+        for inv in sorted(r.first_command):
+            print(f"{r.protocol} {inv}: reproduce: {r.first_command[inv]}")
+    if failed_sites:
+        print(f"FAIL: configured fault sites never fired: {', '.join(failed_sites)}")
+    return 0 if ok else 1
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("campaign", help="many seeds per protocol; what each violates")
+    add_protocols(parser)
+    parser.add_argument("--seeds", type=positive_int, default=None,
+                      help="run exactly this many seeds instead of a time budget")
+    parser.add_argument("--seed", type=nonneg_int, default=0, help="first seed")
+    parser.add_argument("--stop-when-found", action="store_true")
+    parser.add_argument("--require-fired", action="store_true",
+                      help="fail if a configured fault site never fired")
+    parser.add_argument("--workers", type=positive_int, default=None,
+                      help="local worker processes (default: every core)")
+    parser.add_argument("--ray", metavar="ADDRESS", default=None,
+                      help="run seeds as tasks on this Ray cluster ('local': start one here; "
+                      "needs the ray extra)")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=run)

@@ -1,0 +1,60 @@
+"""``kvstate fuzz``: Hypothesis stateful fuzzing with a time budget."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sim.commands.options import add_protocols, positive_int
+from sim.commands.output import envelope, table
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.extras import require
+
+    require("hypothesis", "kvstate fuzz")
+    from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
+    from sim.fuzz import fuzz
+
+    cov = Coverage()
+    with recording(cov):
+        results = [fuzz(p, budget=args.budget, examples=args.examples, steps=args.steps,
+                        out_dir=args.out_dir, profile=args.profile)
+                   for p in (args.protocol or ["kvstate"])]
+    ok = all(r.ok for r in results)
+    rows_cov = summarize(cov)
+    if args.json:
+        print(envelope({"ok": ok, "violations": [
+            {"invariant": r.invariant, "event_index": -1, "message": f"{r.protocol}: "
+             f"{r.message} (shrunk to {r.rules} rules; trace {r.trace})"}
+            for r in results if not r.ok],
+            "runs": [{"protocol": r.protocol, "rounds": r.rounds, "seconds": r.seconds,
+                      "invariant": r.invariant, "rules": r.rules, "trace": r.trace}
+                     for r in results],
+            "never_fired": never_fired(rows_cov)}))
+        return 0 if ok else 1
+    rows = [["protocol", "rounds", "seconds", "found", "shrunk rules", "trace"]]
+    for r in results:
+        rows.append([r.protocol, str(r.rounds), f"{r.seconds:.1f}", r.invariant or "-",
+                     str(r.rules or "-"), r.trace or "-"])
+    print(table(rows))
+    print("\ntable entries the fuzzer's programs fired (shrinking included):")
+    print(format_table(rows_cov, unseen=args.show_unseen))
+    return 0 if ok else 1
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("fuzz", help="Hypothesis stateful fuzzing with a time budget")
+    add_protocols(parser)
+    parser.add_argument("--examples", type=positive_int, default=200, help="programs per round")
+    parser.add_argument("--steps", type=positive_int, default=50, help="rules per program")
+    parser.add_argument("--out-dir", default=".", help="where counterexample traces go")
+    parser.add_argument("--profile", default="both",
+                    choices=("both", "striding", "consumer", "shared", "hybrid", "hybrid-pd"),
+                    help="engine shape: per-rank heads, MLA striding, a P/D decode node, "
+                    "one prompt family (lookups hit, loads fail), or a hybrid model (full "
+                    "attention + sliding window) with striding or on a P/D decode node")
+    parser.add_argument("--show-unseen", action="store_true",
+                    help="list the table entries and guard outcomes never fired")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=run)

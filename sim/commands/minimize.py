@@ -1,0 +1,53 @@
+"""``kvstate minimize``: shrink a failing run, write its trace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from sim.commands.errors import UsageError
+from sim.commands.options import add_sim_options, options_from, positive_int
+from sim.commands.output import envelope, violation_dicts
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.minimize import NothingToMinimize, minimize, options_from_trace
+    from sim.runner import simulate
+
+    if args.from_trace:
+        options = options_from_trace(args.from_trace)
+    else:
+        options = options_from(args)
+    progress = None if args.json else (lambda m: print(m, file=sys.stderr))
+    try:
+        shrunk = minimize(options, invariant=args.invariant, max_runs=args.max_runs,
+                          progress=progress)
+    except NothingToMinimize as exc:
+        raise UsageError(str(exc)) from None
+    with open(args.out, "w") as out:
+        simulate(shrunk.options, trace=out)
+    if args.json:
+        print(envelope({"ok": False, "violations": violation_dicts(shrunk.result),
+                          "invariant": shrunk.invariant, "runs": shrunk.runs,
+                          "passes": shrunk.passes, "command": shrunk.options.command(),
+                          "trace": args.out}))
+    else:
+        print(f"minimized {shrunk.invariant} in {shrunk.runs} runs: "
+              f"{shrunk.original.requests} -> {shrunk.options.requests} requests, "
+              f"{len(shrunk.original.faults)} -> {len(shrunk.options.faults)} fault sites, "
+              f"world size {shrunk.original.world_size} -> {shrunk.options.world_size}")
+        print(f"trace: {args.out}  (kvstate replay {args.out}; kvstate check {args.out})")
+        print(f"reproduce: {shrunk.options.command()}")
+    return 1
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("minimize", help="shrink a failing run, write its trace")
+    parser.add_argument("from_trace", nargs="?", help="a failing simulator trace (or give options)")
+    add_sim_options(parser)
+    parser.add_argument("--invariant", help="keep this invariant failing (default: the first)")
+    parser.add_argument("--max-runs", type=positive_int, default=200)
+    parser.add_argument("--out", default="minimized.jsonl")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=run)

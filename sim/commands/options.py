@@ -1,0 +1,149 @@
+"""Argument types and the simulator's options, shared by the commands that take them.
+
+Each type refuses a bad value with argparse's own error (exit 2, the option and the
+value named); ``validate_options`` checks a whole configuration before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvstate.variants import VARIANTS
+from sim.commands.errors import UsageError
+
+
+def protocol_name(name: str) -> str:
+    if name not in VARIANTS:
+        raise argparse.ArgumentTypeError(
+            f"unknown protocol {name!r}; known: {', '.join(VARIANTS)}")
+    return name
+
+
+def int_at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+nonneg_int = int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def faults_arg(text: str) -> tuple[str, ...]:
+    from sim.faults import SITES
+
+    if text in ("all", ""):
+        return tuple(SITES)
+    if text == "none":
+        return ()
+    sites = tuple(t.strip() for t in text.split(",") if t.strip())
+    for site in sites:
+        if site not in SITES:
+            raise argparse.ArgumentTypeError(
+                f"unknown fault site {site!r}; known: {', '.join(SITES)}, all, none")
+    return sites
+
+
+def groups_arg(text: str) -> tuple[str, ...]:
+    from sim.runner import parse_groups
+
+    groups = tuple(t.strip() for t in text.split(","))
+    try:
+        parse_groups(groups)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return groups
+
+
+def add_sim_options(parser: argparse.ArgumentParser) -> None:
+    from sim.runner import SimOptions
+
+    d = SimOptions()
+    group = parser.add_argument_group("simulation")
+    group.add_argument("--seed", type=nonneg_int, default=d.seed)
+    group.add_argument("--protocol", type=protocol_name, default=d.protocol)
+    group.add_argument("--setup", choices=("both", "pd"), default=d.setup,
+                       help="one kv_both engine, or prefill + decode engines sharing a store")
+    group.add_argument("--workload", choices=("synthetic", "fast25"), default=d.workload)
+    group.add_argument("--fast25-path", default=d.fast25_path,
+                       help="a trace in the FAST'25 format, plain or .gz (default: the packaged "
+                            "FAST'25 conversation trace)")
+    group.add_argument("--scale", type=positive_int, default=d.scale,
+                       help="divide FAST'25 token counts by this (any positive integer)")
+    group.add_argument("--requests", type=positive_int, default=d.requests)
+    group.add_argument("--rate", type=positive_float, default=d.rate,
+                       help="synthetic arrivals per second")
+    group.add_argument("--world-size", type=positive_int, default=d.world_size)
+    group.add_argument("--put-step", type=positive_int, default=d.put_step,
+                       help="TP striding: ranks per stored copy (must divide --world-size)")
+    group.add_argument("--block-size", type=positive_int, default=d.block_size)
+    group.add_argument("--num-blocks", type=positive_int, default=d.num_blocks)
+    group.add_argument("--store-capacity", type=positive_int, default=d.store_capacity)
+    group.add_argument("--token-budget", type=positive_int, default=d.token_budget)
+    group.add_argument("--max-model-len", type=nonneg_int, default=d.max_model_len,
+                       help="refuse requests whose prompt plus max tokens exceed this "
+                       "(vLLM's admission; 0: what the KV cache holds)")
+    group.add_argument("--events", dest="events", action="store_true", default=d.events)
+    group.add_argument("--no-events", dest="events", action="store_false")
+    group.add_argument("--faults", type=faults_arg, default=d.faults,
+                       help="comma-separated fault sites, 'all' or 'none'")
+    group.add_argument("--settle-time", type=positive_float, default=d.settle_time)
+    group.add_argument("--groups", type=groups_arg, default=d.groups,
+                       help="KV-cache groups, comma-separated: 'full' or 'swa:W' (sliding "
+                       "window of W tokens), e.g. full,swa:8 (a hybrid model)")
+    group.add_argument("--alignment", type=nonneg_int, default=d.alignment,
+                       help="tokens a stored prefix ends on (the lcm block size; a multiple "
+                       "of --block-size; 0: the block size). A sliding-window group stores "
+                       "only the window before each boundary")
+
+
+def options_from(args: argparse.Namespace) -> Any:
+    import attrs
+
+    from sim.runner import SimOptions
+
+    values = {f.name: getattr(args, f.name) for f in attrs.fields(SimOptions)
+              if hasattr(args, f.name)}
+    return SimOptions(**values)
+
+
+def validate_options(options: Any) -> None:
+    from sim.runner import build_configs
+
+    try:
+        build_configs(options)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("ConnectorConfig.", "--").replace("_", "-")) from None
+    from sim.engine import kv_capacity_tokens
+
+    capacity = kv_capacity_tokens(options.num_blocks, options.block_size, len(options.groups))
+    if options.max_model_len > capacity:
+        # vLLM refuses to start when the KV cache cannot hold one max-length request.
+        raise UsageError(f"--max-model-len={options.max_model_len}: the KV cache holds "
+                         f"{capacity} tokens (--num-blocks x --block-size)")
+
+
+def add_protocols(parser: argparse.ArgumentParser, *, budget: bool = True) -> None:
+    """``--protocol`` (repeatable) and, for the searches, ``--budget`` per protocol."""
+    parser.add_argument("--protocol", type=protocol_name, action="append",
+                        help="variant (repeatable; default: kvstate)")
+    if budget:
+        parser.add_argument("--budget", type=positive_float, default=60.0,
+                            help="seconds per protocol")

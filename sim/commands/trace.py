@@ -1,0 +1,32 @@
+"""``kvstate trace``: trace tools ('observed': the trace cut to its observed layer)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.observed import write_observed, write_observed_file
+
+    if args.output in (None, "-"):
+        cut = write_observed(args.trace, sys.stdout)
+    else:
+        cut = write_observed_file(args.trace, args.output)
+    if args.output not in (None, "-"):
+        print(f"{args.trace}: {cut.lines_in} lines -> {cut.lines_out} observed lines in "
+              f"{args.output} ({cut.records_dropped} annotation records dropped)")
+    return 0
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("trace", help="trace tools: 'observed' cuts a trace to what an "
+                           "engine would write (specs/trace.md)")
+    trace_sub = parser.add_subparsers(dest="trace_command", required=True)
+    observed = trace_sub.add_parser("observed", help="drop kvstate's annotations: generations, "
+                                    "rank-state writes, verdicts, content tags")
+    observed.add_argument("trace")
+    observed.add_argument("-o", "--output", default=None,
+                          help="write here (default: standard output)")
+    observed.set_defaults(func=run)
