@@ -76,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser("modelcheck", help="exhaustive breadth-first model checking of a "
                         "small scope; shortest counterexample as a trace")
+    from sim.modelcheck import SCOPES  # the help lists the scopes that exist
+
     parser.add_argument("--scope", default="default",
-                    help="tiny, default, twins, mla, pd, large, or all (default: default)")
+                        help=f"{', '.join(SCOPES)}, or all (default: default)")
     add_protocols(parser, budget=False)
     parser.add_argument("--budget", type=positive_float, default=None,
                     help="stop after this many seconds (then not exhaustive)")
