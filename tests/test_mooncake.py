@@ -271,22 +271,32 @@ def _vllm_chunk_keys(config: ConnectorConfig, tokens: list[int], monkeypatch) ->
     return keys
 
 
-def test_a_store_kvstate_real_fills_holds_the_keys_vllm_looks_up(mooncake_store,
-                                                                   monkeypatch) -> None:
+def test_a_store_kvstate_real_fills_holds_the_keys_vllm_looks_up(monkeypatch) -> None:
     """By default the real store is keyed by vLLM's own sha256 block hashes
-    (kvstate's 16-byte hash names keys no vLLM engine ever asks for)."""
+    (kvstate's 16-byte hash names keys no vLLM engine ever asks for). A store
+    of its own: the session's shared store is full by now and evicts."""
     pytest.importorskip("vllm")
-    tokens = prompt(24, salt=5)
-    config = isolated(world_size=2, save_decode_cache=True, enable_kv_events=True)
-    vllm_keys = _vllm_chunk_keys(config, tokens, monkeypatch)
-    result = run_real(mooncake_store, [("a", tokens, 3)], config)
-    assert result.ok, result.violations  # S17 recomputes every event's digest with sha256
-    assert result.figures["block_hash"] == "vllm-sha256"
-    assert len(vllm_keys) == 12 and all(mooncake_store.exists(vllm_keys))
-    other = isolated(world_size=2, save_decode_cache=True, enable_kv_events=True)
-    own = run_real(mooncake_store, [("a", tokens, 3)], other, block_hash="kvstate")
-    assert own.ok and own.figures["keys_written"] > 0
-    assert not any(mooncake_store.exists(_vllm_chunk_keys(other, tokens, monkeypatch)))
+    from adapters.master import Master
+
+    master = Master()
+    store = MooncakeStore(MooncakeConfig(master_server_address=master.address,
+                                         global_segment_size=64 << 20,
+                                         local_buffer_size=16 << 20))
+    try:
+        tokens = prompt(24, salt=5)
+        config = isolated(world_size=2, save_decode_cache=True, enable_kv_events=True)
+        vllm_keys = _vllm_chunk_keys(config, tokens, monkeypatch)
+        result = run_real(store, [("a", tokens, 3)], config)
+        assert result.ok, result.violations  # S17 recomputes every event's digest with sha256
+        assert result.figures["block_hash"] == "vllm-sha256"
+        assert len(vllm_keys) == 12 and all(store.exists(vllm_keys))
+        other = isolated(world_size=2, save_decode_cache=True, enable_kv_events=True)
+        own = run_real(store, [("a", tokens, 3)], other, block_hash="kvstate")
+        assert own.ok and own.figures["keys_written"] > 0
+        assert not any(store.exists(_vllm_chunk_keys(other, tokens, monkeypatch)))
+    finally:
+        store.close()
+        master.stop()
 
 
 def test_real_command_refuses_an_unknown_block_hash(capsys) -> None:
