@@ -33,6 +33,8 @@ class CampaignResult:
     # Observation index at which each invariant first broke, in the run that
     # found it: the length of the simulator's (unshrunk) counterexample.
     first_index: dict[str, int] = attrs.Factory(dict)
+    # Ctrl-C stopped it: ``runs`` and everything found are the seeds folded so far.
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -193,6 +195,7 @@ def campaign(
     runs = 0
     submitted: deque[Any] = deque()
     next_seed = start_seed
+    interrupted = False
     try:
         while True:
             elapsed = time.perf_counter() - started
@@ -217,12 +220,15 @@ def campaign(
                          f"found {sorted(first_found) or 'nothing'}")
             if (stop_when_found and counts) or any(i in counts for i in stop_when):
                 break
+    except KeyboardInterrupt:  # Ctrl-C: what was folded so far is the answer
+        interrupted = True
     finally:
         runner.close()
     configured = base.faults
     return CampaignResult(protocol, runs, round(time.perf_counter() - started, 3), first_found,
                           first_command, dict(counts), dict(fired),
-                          [s for s in configured if s in SITES and not fired.get(s)], first_index)
+                          [s for s in configured if s in SITES and not fired.get(s)], first_index,
+                          interrupted)
 
 
 def summary(result: CampaignResult) -> dict[str, Any]:

@@ -19,7 +19,7 @@ def test_ctrl_c_during_a_campaign_ends_it_without_a_traceback() -> None:
         [sys.executable, "-m", "sim.cli", "campaign", "--protocol", "e2", "--budget", "120"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(8)  # imports done, seeds running (the budget is 120 s)
+        time.sleep(12)  # imports done, some seeds folded (the budget is 120 s)
         assert proc.poll() is None, "the campaign ended before it was interrupted"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
@@ -29,3 +29,7 @@ def test_ctrl_c_during_a_campaign_ends_it_without_a_traceback() -> None:
     assert proc.returncode == 130, (out, err)
     assert "interrupted" in err
     assert "Traceback" not in err
+    # What it found before the interrupt is reported, as at the end of a budget.
+    assert "protocol" in out and "runs" in out, out
+    runs = int(next(line.split()[1] for line in out.splitlines() if line.startswith("e2 ")))
+    assert f"interrupted after {runs} runs" in err

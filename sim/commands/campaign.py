@@ -32,18 +32,26 @@ def run(args: argparse.Namespace) -> int:
                                     ray_address=args.ray))
         except RuntimeError as e:  # --ray without Ray installed, or no cluster there
             raise UsageError(str(e)) from e
+        if results[-1].interrupted:
+            break  # Ctrl-C: report what was found, then exit 130
     if interactive:
         print(file=sys.stderr)
     failed_sites = [s for r in results if r.ok for s in r.never_fired] if args.require_fired \
         else []
     ok = all(r.ok for r in results) and not failed_sites
+    interrupted = any(r.interrupted for r in results)
+    code = 130 if interrupted else 0 if ok else 1
+    if interrupted:  # the results below are the seeds folded before Ctrl-C
+        print(f"kvstate campaign: interrupted after {sum(r.runs for r in results)} runs",
+              file=sys.stderr)
     if args.json:
         print(envelope({"ok": ok, "violations": [
             {"invariant": inv, "event_index": -1, "message":
              f"{r.protocol}: first after {t}s; reproduce: {r.first_command[inv]}"}
             for r in results for inv, t in r.first_found.items()],
-            "never_fired": failed_sites, "campaigns": [summary(r) for r in results]}))
-        return 0 if ok else 1
+            "never_fired": failed_sites, "interrupted": interrupted,
+            "campaigns": [summary(r) for r in results]}))
+        return code
     rows = [["protocol", "runs", "seconds", "invariants violated (first found after s)"]]
     for r in results:
         found = ", ".join(f"{inv} {t:.2f}" for inv, t in sorted(r.first_found.items(),
@@ -61,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r.protocol} {inv}: reproduce: {r.first_command[inv]}")
     if failed_sites:
         print(f"FAIL: configured fault sites never fired: {', '.join(failed_sites)}")
-    return 0 if ok else 1
+    return code
 
 
 def register(sub: Any) -> None:
