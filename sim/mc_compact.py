@@ -46,8 +46,6 @@ forbids. What is left is parallelism: states/s scale with ``workers``.
 from __future__ import annotations
 
 import gc
-import hashlib
-import io
 import multiprocessing
 import os
 import pickle
@@ -68,11 +66,11 @@ from sim.modelcheck import (
     Result,
     Scope,
     System,
-    _constants,
     _field_state,
     _key,
     _symmetric,
     apply,
+    digest,
     enabled,
     initial,
     violation_at,
@@ -145,25 +143,7 @@ _DISPATCH: dict[type, int] = {
 
 def fast_digest(s: System) -> bytes:
     """`sim.modelcheck.digest`, byte for byte, with `FastCanonicalPickler`."""
-    h = s.h
-    buf = io.BytesIO()
-    p = FastCanonicalPickler(buf, _constants(s))
-    p.dump((
-        tuple(h.requests.items()), tuple(r.req_id for r in h.running),
-        tuple(r.req_id for r in h.waiting), h.outbox, tuple(sorted(h.current.items())),
-        h.planner, h.ranks, h.store, h.monitor, h.now,
-        s.admitted, s.faults, s.evictions, s.preemptions, s.aborts,
-    ))
-    pool = h.pool
-    for block in pool.free:
-        p.block(block)
-    by_canon = sorted((n, b) for b, n in p.blocks.items())
-    p.dump((
-        tuple((pool.refs[b], pool.content[b]) for _, b in by_canon),
-        tuple(p.block(b) for b in pool.free),
-        p.order(),
-    ))
-    return hashlib.blake2b(buf.getvalue(), digest_size=16).digest()
+    return digest(s, FastCanonicalPickler)
 
 
 def state_key(s: System, reduce: bool) -> bytes:
