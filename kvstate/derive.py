@@ -231,12 +231,16 @@ class Derivation:
                 life.loads[load.req_id] = generation
         ended, life.ended = life.ended or ((), ()), None
         if self.mode == "derived":
-            changes["saves"] = tuple(saves)
-            changes["loads"] = tuple(loads)
+            if saves:
+                changes["saves"] = tuple(saves)
+            if loads:
+                changes["loads"] = tuple(loads)
         elif self.mode == "written":  # the producer's own numbers, where it wrote them
             written = life.written
             ended = (tuple((r, written[r]) for r, _ in ended[0] if r in written),
                      tuple((r, written[r]) for r, _ in ended[1] if r in written))
+            for req_id, _ in ended[1]:  # finished: a reuse writes its own number again
+                del written[req_id]
         # Left out: the step's scheduler output says which lifetimes ended.
         for i, field in enumerate(("preempted", "finished")):
             if field in absent:
