@@ -53,6 +53,16 @@ class SeedOutcome:
     found: tuple[tuple[str, int], ...]
 
 
+@attrs.frozen
+class CampaignProgress:
+    """Where a campaign stands after each seed it folds (``on_seed``)."""
+
+    protocol: str
+    runs: int  # seeds folded so far
+    seconds: float  # wall seconds since the campaign started
+    found: tuple[str, ...]  # invariants violated so far, sorted
+
+
 def seed_options(base: SimOptions, protocol: str, seed: int,
                  setups: Sequence[str]) -> SimOptions:
     # Vary the shape too: both setups, and every other pair of seeds with
@@ -160,6 +170,7 @@ def campaign(
     stop_when: Collection[str] = (),
     workers: int = 1,
     ray_address: str | None = None,
+    on_seed: Callable[[CampaignProgress], None] | None = None,
 ) -> CampaignResult:
     """Seeds until the budget (or ``seeds``) is spent; ``stop_when_found``
     stops at the first run with any violation, ``stop_when`` at the first
@@ -172,7 +183,10 @@ def campaign(
     same for any number of workers, and a stop condition stops at the same
     seed as a sequential campaign (seeds run ahead of it are dropped). Only
     the wall-clock figures (``seconds``, ``first_found``) differ. With a time
-    budget, the seeds folded are the in-order prefix finished in time."""
+    budget, the seeds folded are the in-order prefix finished in time.
+
+    ``on_seed`` is called after each seed is folded (a `CampaignProgress`);
+    ``progress`` gets the same as one line of text."""
     base = base or SimOptions()
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
@@ -215,6 +229,9 @@ def campaign(
                     first_found[invariant] = round(time.perf_counter() - started, 3)
                     first_command[invariant] = outcome.command
                     first_index[invariant] = index
+            if on_seed is not None:
+                on_seed(CampaignProgress(protocol, runs, time.perf_counter() - started,
+                                         tuple(sorted(first_found))))
             if progress is not None:
                 progress(f"{protocol}: {runs} runs, {time.perf_counter() - started:.1f}s, "
                          f"found {sorted(first_found) or 'nothing'}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -31,6 +32,17 @@ class FuzzResult:
     @property
     def ok(self) -> bool:
         return self.invariant is None
+
+
+@attrs.frozen
+class FuzzProgress:
+    """Where a fuzz run stands after each program Hypothesis ran (``on_example``;
+    shrinking a failure runs programs too)."""
+
+    protocol: str
+    rounds: int  # the round under way, from 1
+    examples: int  # programs run so far, every round together
+    seconds: float  # wall seconds since the run started
 
 
 # Engine shapes the machine runs in: every rank stores its own heads; MLA-style
@@ -73,9 +85,11 @@ def machine_for(protocol: str, profile: str = "both",
 
 def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 50,
          out_dir: str = ".", profile: str = "both", derandomize: bool = False,
-         only: tuple[str, ...] | None = None) -> FuzzResult:
+         only: tuple[str, ...] | None = None,
+         on_example: Callable[[FuzzProgress], None] | None = None) -> FuzzResult:
     """Rounds of ``examples`` programs until ``budget`` seconds are spent or an
-    invariant breaks. ``derandomize`` runs one fixed round (the CI profile)."""
+    invariant breaks. ``derandomize`` runs one fixed round (the CI profile).
+    ``on_example`` is called after every program (at its teardown)."""
     import os
 
     from hypothesis import HealthCheck, settings
@@ -85,6 +99,8 @@ def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 
     machine = machine_for(protocol, profile, only)
     started = time.perf_counter()
     rounds = 0
+    if on_example is not None:
+        machine = _reporting(machine, protocol, on_example, started, lambda: rounds)
     from hypothesis.stateful import run_state_machine_as_test
 
     while time.perf_counter() - started < budget and not (derandomize and rounds):
@@ -107,6 +123,24 @@ def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 
                               profile)
     return FuzzResult(protocol, rounds, round(time.perf_counter() - started, 3), None, None,
                       None, None, profile)
+
+
+def _reporting(machine: Any, protocol: str, on_example: Callable[[FuzzProgress], None],
+               started: float, rounds: Callable[[], int]) -> Any:
+    """``machine`` calling ``on_example`` after each program's own teardown (same
+    name, so nothing Hypothesis reports changes)."""
+    examples = 0
+
+    def teardown(self: Any) -> None:
+        nonlocal examples
+        try:
+            machine.teardown(self)
+        finally:
+            examples += 1
+            on_example(FuzzProgress(protocol, rounds(), examples,
+                                    time.perf_counter() - started))
+
+    return type(machine.__name__, (machine,), {"teardown": teardown})
 
 
 def fuzz_ci(protocol: str, profiles: tuple[str, ...] = tuple(PROFILES),

@@ -8,7 +8,18 @@ from typing import Any
 
 from sim.commands.errors import UsageError
 from sim.commands.options import add_protocols, nonneg_int, positive_int
-from sim.commands.output import envelope, table
+from sim.commands.output import envelope
+from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
+
+
+def _on_seed(args: argparse.Namespace, bar: Bar) -> Any:
+    def show(p: Any) -> None:  # a sim.campaign.CampaignProgress
+        found = ",".join(p.found) or "nothing"
+        if args.seeds is not None:
+            bar.update(completed=p.runs, found=found)
+        else:  # a time budget: the bar is the budget's seconds
+            bar.update(completed=min(p.seconds, args.budget), runs=p.runs, found=found)
+    return show
 
 
 def run(args: argparse.Namespace) -> int:
@@ -16,26 +27,22 @@ def run(args: argparse.Namespace) -> int:
 
     from sim.campaign import campaign, summary
 
-    interactive = sys.stderr.isatty() and not args.json
-
-    def progress(message: str) -> None:
-        if interactive:
-            print("\r" + message[:100].ljust(100), end="", file=sys.stderr, flush=True)
-
     results = []
     for protocol in args.protocol or ["kvstate"]:
-        try:
-            results.append(campaign(protocol, budget=args.budget, seeds=args.seeds,
-                                    start_seed=args.seed, progress=progress,
-                                    stop_when_found=args.stop_when_found,
-                                    workers=args.workers or os.cpu_count() or 1,
-                                    ray_address=args.ray))
-        except RuntimeError as e:  # --ray without Ray installed, or no cluster there
-            raise UsageError(str(e)) from e
+        with progress_for(args, label=protocol,
+                          total=args.seeds if args.seeds is not None else args.budget,
+                          unit="seeds" if args.seeds is not None else "s") as bar:
+            try:
+                results.append(campaign(protocol, budget=args.budget, seeds=args.seeds,
+                                        start_seed=args.seed,
+                                        on_seed=_on_seed(args, bar) if bar.active else None,
+                                        stop_when_found=args.stop_when_found,
+                                        workers=args.workers or os.cpu_count() or 1,
+                                        ray_address=args.ray))
+            except RuntimeError as e:  # --ray without Ray installed, or no cluster there
+                raise UsageError(str(e)) from e
         if results[-1].interrupted:
             break  # Ctrl-C: report what was found, then exit 130
-    if interactive:
-        print(file=sys.stderr)
     failed_sites = [s for r in results if r.ok for s in r.never_fired] if args.require_fired \
         else []
     ok = all(r.ok for r in results) and not failed_sites
@@ -57,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         found = ", ".join(f"{inv} {t:.2f}" for inv, t in sorted(r.first_found.items(),
                                                                 key=lambda kv: kv[1]))
         rows.append([r.protocol, str(r.runs), f"{r.seconds:.1f}", found or "-"])
-    print(table(rows))
+    print_table(args, rows)
     for r in results:
         if r.ok:
             print(f"{r.protocol}: fault sites fired: " + ", ".join(
@@ -87,4 +94,5 @@ def register(sub: Any) -> None:
                       help="run seeds as tasks on this Ray cluster ('local': start one here; "
                       "needs the ray extra)")
     parser.add_argument("--json", action="store_true")
+    add_progress_option(parser)
     parser.set_defaults(func=run)

@@ -6,7 +6,14 @@ import argparse
 from typing import Any
 
 from sim.commands.options import add_protocols, positive_int
-from sim.commands.output import envelope, table
+from sim.commands.output import envelope
+from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
+
+
+def _on_example(args: argparse.Namespace, bar: Bar) -> Any:
+    def show(e: Any) -> None:  # a sim.fuzz.FuzzProgress, after every program
+        bar.update(completed=min(e.seconds, args.budget), round=e.rounds, programs=e.examples)
+    return show
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,10 +24,14 @@ def run(args: argparse.Namespace) -> int:
     from sim.fuzz import fuzz
 
     cov = Coverage()
+    results = []
     with recording(cov):
-        results = [fuzz(p, budget=args.budget, examples=args.examples, steps=args.steps,
-                        out_dir=args.out_dir, profile=args.profile)
-                   for p in (args.protocol or ["kvstate"])]
+        for p in args.protocol or ["kvstate"]:
+            with progress_for(args, label=p, total=args.budget, unit="s") as bar:
+                results.append(fuzz(
+                    p, budget=args.budget, examples=args.examples, steps=args.steps,
+                    out_dir=args.out_dir, profile=args.profile,
+                    on_example=_on_example(args, bar) if bar.active else None))
     ok = all(r.ok for r in results)
     rows_cov = summarize(cov)
     if args.json:
@@ -37,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         rows.append([r.protocol, str(r.rounds), f"{r.seconds:.1f}", r.invariant or "-",
                      str(r.rules or "-"), r.trace or "-"])
-    print(table(rows))
+    print_table(args, rows)
     print("\ntable entries the fuzzer's programs fired (shrinking included):")
     print(format_table(rows_cov, unseen=args.show_unseen))
     return 0 if ok else 1
@@ -57,4 +68,5 @@ def register(sub: Any) -> None:
     parser.add_argument("--show-unseen", action="store_true",
                     help="list the table entries and guard outcomes never fired")
     parser.add_argument("--json", action="store_true")
+    add_progress_option(parser)
     parser.set_defaults(func=run)

@@ -8,6 +8,30 @@ from typing import Any
 from sim.commands.errors import UsageError
 from sim.commands.options import add_protocols, positive_float, positive_int
 from sim.commands.output import envelope
+from sim.commands.progress import Bar, add_progress_option, progress_for
+
+
+def _bar_total(args: argparse.Namespace) -> tuple[float | None, str]:
+    """The bar's scale: --max-states when given, else the --budget seconds, else
+    none (a pulsing bar counting states: a scope's size is not known ahead)."""
+    if args.max_states is not None:
+        return args.max_states, "states"
+    if args.budget is not None:
+        return args.budget, "s"
+    return None, "states"
+
+
+def _on_report(args: argparse.Namespace, bar: Bar) -> Any:
+    unit = _bar_total(args)[1]
+
+    def show(r: Any) -> None:  # a sim.modelcheck.Result, every ~5 s
+        rate = f"{r.states / r.seconds:,.0f} states/s" if r.seconds else None
+        if unit == "s":
+            bar.update(completed=min(r.seconds, args.budget), states=f"{r.states:,}",
+                       depth=r.depth, at=rate)
+        else:
+            bar.update(completed=r.states, depth=r.depth, at=rate)
+    return show
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,10 +49,13 @@ def run(args: argparse.Namespace) -> int:
             scope = SCOPES[name]
             if not args.json:
                 print(scope.describe(), flush=True)
-            with recording(cov):
+            total, unit = _bar_total(args)
+            with recording(cov), progress_for(args, label=f"{protocol}/{name}",
+                                              total=total, unit=unit) as bar:
                 r = check(scope, protocol, budget=args.budget, max_states=args.max_states,
                           reduce=not args.no_reduction, out_dir=args.out_dir,
-                          engine=args.engine, workers=args.workers)
+                          engine=args.engine, workers=args.workers,
+                          progress=_on_report(args, bar) if bar.active else None)
             runs.append(r)
             if not args.json:
                 verdict = "exhaustive" if r.exhaustive else (
@@ -94,4 +121,5 @@ def register(sub: Any) -> None:
     parser.add_argument("--workers", type=positive_int, default=1,
                     help="processes expanding each breadth-first level (compact engine)")
     parser.add_argument("--json", action="store_true")
+    add_progress_option(parser)
     parser.set_defaults(func=run)

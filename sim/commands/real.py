@@ -8,6 +8,7 @@ from typing import Any
 from sim.commands.errors import UsageError
 from sim.commands.options import nonneg_int, positive_float, positive_int, protocol_name
 from sim.commands.output import envelope, table
+from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
 
 # What `kvstate real` may allocate, checked before a master starts or a tensor
 # is built: its KV caches are ranks x layers x (128 + 1) blocks of block_size x
@@ -37,16 +38,51 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from adapters.mooncake import MooncakeConfig, MooncakeStore, MooncakeUnavailable
-    from adapters.runner import bench_adapter, run_real, workload_arrivals
     from kvstate.blockhash import chain_hash_fn
-    from kvstate.config import ConnectorConfig
 
     try:
         chain_hash_fn(args.block_hash)  # before a master starts: cbor2 may be missing
     except ValueError as exc:
         raise UsageError(f"--block-hash={args.block_hash}: {exc}") from None
     _check_real_bounds(args)
+    # A spinner with the phase under way: adapters.runner has no per-request
+    # hook, so there is no count to show.
+    with progress_for(args, label="real") as bar:
+        address, outcome = _measure(args, bar)
+    if args.bench:
+        figures = outcome
+        if args.json:
+            print(envelope({"ok": True, "violations": [], "adapter": figures}))
+        else:
+            rows = [["block", "adapter put B/s", "raw put B/s", "put ratio",
+                     "adapter get B/s", "raw get B/s", "get ratio"]]
+            for size, f in figures.items():
+                rows.append([size, f"{f['adapter_put']:,}", f"{f['raw_put']:,}",
+                             str(f["put_ratio"]), f"{f['adapter_get']:,}",
+                             f"{f['raw_get']:,}", str(f["get_ratio"])])
+            print_table(args, rows)
+        return 0
+    arrivals, result = outcome
+    if args.json:
+        print(envelope({"ok": result.ok, "violations": result.violations,
+                          "figures": result.figures}))
+    else:
+        print(f"kvstate real: {len(arrivals)} requests through protocol {args.protocol} on "
+              f"{args.world_size} ranks against mooncake_master {address}")
+        print(table([[k, str(v)] for k, v in result.figures.items()]))
+        for v in result.violations[:10]:
+            print(f"  {v['invariant']}: {v['message']}")
+        print(f"result: {'ok' if result.ok else 'MISMATCH'}")
+    return 0 if result.ok else 1
+
+
+def _measure(args: argparse.Namespace, bar: Bar) -> tuple[str, Any]:
+    """Start (or reach) the master, connect, then either the adapter bench (its
+    figures) or the workload run (the arrivals and the run's result)."""
+    from adapters.mooncake import MooncakeConfig, MooncakeStore, MooncakeUnavailable
+    from adapters.runner import bench_adapter, run_real, workload_arrivals
+    from kvstate.config import ConnectorConfig
+
     master = None
     try:
         if args.master:
@@ -54,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             from adapters.master import Master
 
+            bar.update(phase="starting mooncake_master")
             master = Master()
             address = master.address
+        bar.update(phase=f"connecting to {address}")
         try:
             store = MooncakeStore(MooncakeConfig(
                 master_server_address=address, global_segment_size=args.segment_mib << 20,
@@ -65,23 +103,15 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         try:
             if args.bench:
-                figures = bench_adapter(store, repeats=args.repeats)
-                if args.json:
-                    print(envelope({"ok": True, "violations": [], "adapter": figures}))
-                else:
-                    rows = [["block", "adapter put B/s", "raw put B/s", "put ratio",
-                             "adapter get B/s", "raw get B/s", "get ratio"]]
-                    for size, f in figures.items():
-                        rows.append([size, f"{f['adapter_put']:,}", f"{f['raw_put']:,}",
-                                     str(f["put_ratio"]), f"{f['adapter_get']:,}",
-                                     f"{f['raw_get']:,}", str(f["get_ratio"])])
-                    print(table(rows))
-                return 0
+                bar.update(phase=f"bench: adapter vs raw client, {args.repeats} rounds a size")
+                return address, bench_adapter(store, repeats=args.repeats)
             arrivals = workload_arrivals(args.workload, args.requests, args.seed, args.scale,
                                          args.fast25_path)
             config = ConnectorConfig(block_size=args.block_size, world_size=args.world_size,
                                      save_decode_cache=True, enable_kv_events=True,
                                      cache_prefix=f"run{args.seed}")
+            bar.update(phase=f"{len(arrivals)} requests on {args.world_size} ranks, then "
+                       "verifying every key")
             if args.processes:
                 from adapters.rank_process import RankProcessError
                 from adapters.runner import run_real_processes
@@ -100,18 +130,9 @@ def run(args: argparse.Namespace) -> int:
             store.close()
     finally:
         if master is not None:
+            bar.update(phase="stopping mooncake_master")
             master.stop()
-    if args.json:
-        print(envelope({"ok": result.ok, "violations": result.violations,
-                          "figures": result.figures}))
-    else:
-        print(f"kvstate real: {len(arrivals)} requests through protocol {args.protocol} on "
-              f"{args.world_size} ranks against mooncake_master {address}")
-        print(table([[k, str(v)] for k, v in result.figures.items()]))
-        for v in result.violations[:10]:
-            print(f"  {v['invariant']}: {v['message']}")
-        print(f"result: {'ok' if result.ok else 'MISMATCH'}")
-    return 0 if result.ok else 1
+    return address, (arrivals, result)
 
 
 def register(sub: Any) -> None:
@@ -144,4 +165,5 @@ def register(sub: Any) -> None:
     parser.add_argument("--repeats", type=positive_int, default=11,
                       help="--bench rounds per block size (median of these)")
     parser.add_argument("--json", action="store_true")
+    add_progress_option(parser)
     parser.set_defaults(func=run)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from sim.commands.options import add_sim_options, options_from, validate_options
 from sim.commands.output import envelope, print_violation, table, violation_dicts
+from sim.commands.progress import add_progress_option, progress_for
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,24 +17,23 @@ def run(args: argparse.Namespace) -> int:
     validate_options(options)
     out = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
     try:
-        interactive = sys.stderr.isatty() and not args.json
-
-        def bar(done: int, total: int) -> None:
-            filled = 30 * done // max(total, 1)
-            print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} requests",
-                  end="", file=sys.stderr, flush=True)
-
-        result = simulate(options, trace=out, hash_trace=args.check_determinism,
-                          progress=bar if interactive else None,
-                          stop_at_first=not args.keep_going)
-        if interactive:
-            print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+        with progress_for(args, label=options.protocol, total=options.requests,
+                          unit="arrived") as bar:
+            # arrivals so far (every 200) of --requests; then it settles
+            result = simulate(options, trace=out, hash_trace=args.check_determinism,
+                              progress=(lambda done, total: bar.update(completed=done))
+                              if bar.active else None,
+                              stop_at_first=not args.keep_going)
     finally:
         if out is not None:
             out.close()
     determinism: dict[str, Any] | None = None
     if args.check_determinism:
-        again = simulate(options, hash_trace=True, stop_at_first=not args.keep_going)
+        with progress_for(args, label=f"{options.protocol} rerun", total=options.requests,
+                          unit="arrived") as bar:
+            again = simulate(options, hash_trace=True, stop_at_first=not args.keep_going,
+                             progress=(lambda done, total: bar.update(completed=done))
+                             if bar.active else None)
         determinism = {"first": result.trace_sha256, "second": again.trace_sha256,
                        "identical": result.trace_sha256 == again.trace_sha256}
     ok = result.ok and (determinism is None or determinism["identical"])
@@ -104,4 +103,5 @@ def register(sub: Any) -> None:
     parser.add_argument("--check-determinism", action="store_true",
                      help="run twice and compare the traces' hashes")
     parser.add_argument("--json", action="store_true")
+    add_progress_option(parser)
     parser.set_defaults(func=run)
