@@ -195,17 +195,28 @@ def expected_content(key: str) -> str | None:
     return f"{digest}|ns{ns}|g{group}"
 
 
+# What the monitor keeps is what a later verdict can read, and no more. Where
+# a check compares *when* two things happened (a block freed after a job was
+# emitted, a job started after its generation was preempted), the comparison
+# is settled when the later of the two is observed and kept as a fact (a set
+# member, a flag), not as two observation numbers compared later: the monitor's
+# state then says the same for every interleaving that leads to the same facts.
+# The model checker's state space shrinks by that (a state is the whole harness,
+# monitor included: `sim.modelcheck`), and a long trace's monitor stops
+# carrying one number per block ever freed.
+
+
 class _Gen:
     """What the monitor knows about one request generation."""
 
-    __slots__ = ("mark", "hashes", "computed", "preempted_at", "outstanding", "ended",
+    __slots__ = ("mark", "hashes", "computed", "preempted", "outstanding", "ended",
                  "announced")
 
     def __init__(self) -> None:
         self.mark = 0
         self.hashes: list[bytes] = []
         self.computed = 0
-        self.preempted_at: int | None = None
+        self.preempted = False  # a plan ended it as preempted
         self.outstanding = 0  # jobs emitted and not yet released
         self.ended = False
         # (chunk digest, group) -> rank namespaces whose ranks announced it stored
@@ -213,14 +224,16 @@ class _Gen:
 
 
 class _Job:
-    __slots__ = ("gen", "emitted_at", "step", "started_at", "token_len", "checked", "reports",
+    __slots__ = ("gen", "step", "freed", "late_start", "token_len", "checked", "reports",
                  "complete", "claimed")
 
-    def __init__(self, gen: GenKey, emitted_at: int, step: int) -> None:
+    def __init__(self, gen: GenKey, step: int) -> None:
         self.gen = gen
-        self.emitted_at = emitted_at
-        self.step = step
-        self.started_at: dict[int, int] = {}
+        self.step = step  # the plan step that emitted it (read by `Monitor.end` only)
+        # Blocks freed since the job was emitted (S1).
+        self.freed: set[int] = set()
+        # Ranks that dequeued the job after its generation was preempted (S21).
+        self.late_start: set[int] = set()
         self.token_len = 0
         self.checked: dict[int, set[str]] = {}
         self.reports: set[int] = set()
@@ -282,7 +295,6 @@ class Monitor:
         self.pinned: Counter[int] = Counter()
         self.pinned_since: dict[int, int] = {}  # block -> step it was first pinned
         self.free: set[int] = set()
-        self.freed_at: dict[int, int] = {}
         self.store: set[str] = store_view if store_view is not None else set()
         self.frontier: dict[tuple[int, GenKey], int] = {}
         self.offsets: dict[tuple[int, str, int], int] = {}
@@ -440,8 +452,8 @@ class Monitor:
         for key, reason in ended:
             gen = self._gen(key)
             gen.ended = True
-            if reason == "preempted" and gen.preempted_at is None:
-                gen.preempted_at = self.index
+            if reason == "preempted":
+                gen.preempted = True
         for start in plan.started:
             self.current[start.req_id] = start.generation
             self._gen((start.req_id, start.generation))
@@ -476,7 +488,7 @@ class Monitor:
             gen.mark = max(gen.mark, meta.token_len)
             gen.hashes[meta.hashes_start:] = meta.block_hashes
             gen.outstanding += 1
-            self.jobs[meta.job_id] = _Job(key, self.index, step)
+            self.jobs[meta.job_id] = _Job(key, step)
         pinned, since = self.pinned, self.pinned_since
         for block in plan.pins:
             if block not in pinned:
@@ -660,10 +672,13 @@ class Monitor:
         if job is None:
             self.fail("S4", f"rank {obs.rank} started job {obs.job_id}, which is not outstanding")
             return
-        job.started_at[obs.rank] = self.index
         job.token_len = obs.token_len
         gen_key = (obs.req_id, obs.generation)
         gen = self.gens.get(gen_key)
+        if gen is not None and gen.preempted:
+            job.late_start.add(obs.rank)
+        else:
+            job.late_start.discard(obs.rank)  # a later start decides
         if not obs.live:
             return
         if gen is not None and obs.save_start > gen.mark:
@@ -703,11 +718,10 @@ class Monitor:
         gen_key = (obs.req_id, obs.generation)
         gen = self.gens.get(gen_key)
         if job is not None:
-            if obs.block_id in self.free or self.freed_at.get(obs.block_id, -1) > job.emitted_at:
+            if obs.block_id in self.free or obs.block_id in job.freed:
                 self.fail("S1", f"rank {obs.rank} job {obs.job_id} read block {obs.block_id}, "
                           "freed after the job was emitted")
-            if (gen is not None and gen.preempted_at is not None
-                    and job.started_at.get(obs.rank, -1) > gen.preempted_at):
+            if obs.rank in job.late_start and gen is not None and gen.preempted:
                 self.fail("S21", f"rank {obs.rank} job {obs.job_id} dequeued after {gen_key} "
                           "was preempted and still put")
             if obs.accepted is False and obs.code == 0 and obs.key not in job.checked.get(
@@ -857,8 +871,10 @@ class Monitor:
     # Engine and store.
 
     def _on_BlockFreed(self, obs: BlockFreed) -> None:
-        self.free.add(obs.block_id)
-        self.freed_at[obs.block_id] = self.index
+        block = obs.block_id
+        self.free.add(block)
+        for job in self.jobs.values():  # jobs emitted before this free
+            job.freed.add(block)
 
     def _on_BlockAllocated(self, obs: BlockAllocated) -> None:
         self.free.discard(obs.block_id)

@@ -49,6 +49,16 @@ and identified by a canonical digest computed by `CanonicalPickler`:
   handler cache, the harness's clock) are left out; they never influence a
   decision. Time is the harness's step count (`Tick`) with a backoff of one
   step, renamed by order like the counters.
+* **What only the end of a trace reads.** The monitor's step bookkeeping
+  (``Monitor.step``, ``last_report``, ``pinned_since``, each job's ``step``)
+  feeds `Monitor.end`, the age-bounded liveness check of a finished trace,
+  and nothing else; the model checker never calls ``end`` (a quiet state is
+  judged by the `Quiescent` check, which reads no step), so these fields are
+  left out. The monitor's observation number (``index``) is left out too: it
+  only stamps findings, and no verdict reads it (the monitor keeps *when*
+  comparisons as facts, see `kvstate.invariants`). `tests/test_modelcheck.py`
+  parses the monitor's source and fails if any other method starts reading
+  one of these fields.
 
 The renaming is *sound* (equal digests imply states equal up to a renaming
 the code cannot observe) as long as the core never does arithmetic on these
@@ -86,7 +96,7 @@ import attrs
 from kvstate.config import ConnectorConfig, GroupKind, GroupSpec, Role
 from kvstate.executor import Executor
 from kvstate.harness import Harness
-from kvstate.invariants import Monitor
+from kvstate.invariants import Monitor, _Job
 from kvstate.memory_store import MemoryStore, StoreRaised
 from kvstate.planner import Planner
 from kvstate.records import PutCall
@@ -145,10 +155,19 @@ class Tick(Ordinal):
 
 ORDINALS: tuple[type[Ordinal], ...] = (JobNo, GenerationNo, StepNo, ObservationNo, Tick)
 
+# Fields that `Monitor.end` alone reads (see "What only the end of a trace
+# reads" above; a test holds the monitor to it).
+END_ONLY_FIELDS: dict[type, frozenset[str]] = {
+    Monitor: frozenset({"step", "last_report", "pinned_since"}),
+    _Job: frozenset({"step"}),
+}
+
 # Fields that are statistics or caches: they never decide anything, and keeping
 # them would make every path length a different state.
 EXCLUDED_FIELDS: dict[type, frozenset[str]] = {
-    Monitor: frozenset({"findings", "_handlers", "config", "enabled", "_prefixes"}),
+    Monitor: frozenset({"findings", "_handlers", "config", "enabled", "_prefixes",
+                        "index", *END_ONLY_FIELDS[Monitor]}),
+    _Job: END_ONLY_FIELDS[_Job],
     MemoryStore: frozenset({"puts", "exists_keys", "answer"}),
     Executor: frozenset({"clock", "observer", "config", "variant", "prefixes", "residues"}),
 }

@@ -10,6 +10,7 @@ import pytest
 
 from kvstate.coverage import Coverage, recording
 from kvstate.tables import JOB, JobEvent, JobState
+from kvstate.variants import VARIANTS
 from sim.check import check_trace
 from sim.cli import main
 from sim.modelcheck import (
@@ -286,6 +287,88 @@ def test_the_compact_digest_writes_the_legacy_bytes_on_random_walks() -> None:
                     break
                 apply(scope, s, rng.choice(actions), symmetric)
                 assert fast_digest(s) == digest(s), (name, seed)
+
+
+def _scramble_end_only_fields(s, rng) -> None:
+    """Overwrite every field the digest leaves out as read by `Monitor.end`
+    alone (and the observation number) with garbage of the same type."""
+    from sim.modelcheck import END_ONLY_FIELDS
+
+    monitor = s.h.monitor
+    monitor.index = type(monitor.index)(rng.randrange(10**6))
+    monitor.step = type(monitor.step)(rng.randrange(10**6))
+    monitor.last_report = {rank: rng.randrange(10**6) for rank in monitor.last_report}
+    monitor.pinned_since = {block: rng.randrange(10**6) for block in monitor.pinned_since}
+    for job in monitor.jobs.values():
+        job.step = rng.randrange(10**6)
+    from kvstate.invariants import Monitor, _Job
+
+    assert END_ONLY_FIELDS == {Monitor: {"step", "last_report", "pinned_since"},
+                               _Job: {"step"}}, "scramble the new field here too"
+
+
+def _verdicts_with_and_without_scrambling(scope: Scope, protocol: str, seed: int) -> list:
+    import random
+
+    rng = random.Random(seed)
+    s = initial(scope, protocol)
+    differences = []
+    for _ in range(60):
+        actions = enabled(scope, s)
+        if not actions:
+            break
+        action = rng.choice(actions)
+        twin = pickle.loads(pickle.dumps(s))
+        _scramble_end_only_fields(twin, rng)
+        verdicts = []
+        for state in (s, twin):
+            state.h.monitor.findings.clear()
+            apply(scope, state, action, set())
+            verdicts.append([(f.invariant, f.message) for f in state.h.monitor.findings])
+        if verdicts[0] != verdicts[1]:
+            differences.append((action, verdicts))
+        if verdicts[0]:
+            break
+    for state in (s, twin):  # the quiescence check reads none of them either
+        state.h.monitor.findings.clear()
+        state.h.quiesce()
+    quiet = [[(f.invariant, f.message) for f in st.h.monitor.findings] for st in (s, twin)]
+    if quiet[0] != quiet[1]:
+        differences.append((("quiesce",), quiet))
+    return differences
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", list(VARIANTS))
+def test_fields_the_digest_leaves_out_decide_no_verdict(protocol: str) -> None:
+    """The digest leaves out the monitor's step bookkeeping and observation
+    number (sim/modelcheck.py, "What only the end of a trace reads"): sound
+    only while no checker but `Monitor.end` reads them. Random walks on every
+    scope, each action taken twice, once with those fields scrambled: the
+    findings must be the same, message for message."""
+    for scope in SCOPES.values():
+        for seed in range(3):
+            assert _verdicts_with_and_without_scrambling(scope, protocol, seed) == [], (
+                scope.name, seed)
+
+
+def test_the_scrambling_test_catches_a_checker_that_reads_a_left_out_field(
+        monkeypatch) -> None:
+    """The test above can fail: a checker that starts reading a job's step
+    (here: a made-up rule on PutDone) gives different verdicts once scrambled."""
+    from kvstate.invariants import Monitor
+
+    original = Monitor._on_PutDone
+
+    def reads_the_step(self, obs) -> None:
+        original(self, obs)
+        job = self.jobs.get(obs.job_id)
+        if job is not None and job.step % 2:
+            self.fail("S1", f"made-up rule: job emitted at odd step {job.step}")
+
+    monkeypatch.setattr(Monitor, "_on_PutDone", reads_the_step)
+    assert any(_verdicts_with_and_without_scrambling(SCOPES["default"], "kvstate", seed)
+               for seed in range(5))
 
 
 def test_unknown_engine_and_bad_worker_counts_are_refused(capsys) -> None:
