@@ -355,6 +355,26 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
           (ScopeRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9), decode=1),), put_step=2,
           num_blocks=12, token_budget=8, faults=1, evictions=0, preemptions=0, alignment=4,
           groups=(GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 2))),
+    # The shapes that broke upstream, on two ranks, with decode-phase saves
+    # and a -200 (the store out of space) as the one fault of a path. Each is
+    # exhaustive within about a minute on two cores (`--workers 2`); all four
+    # ingredients in one scope (`upstream`) are not (README, "Model checker").
+    Scope("decode2", "decode-phase saves on 2 ranks across a preemption (the request "
+          "resumes and saves again), one -200 per path",
+          (ScopeRequest("a", (1, 2, 3), decode=2),), faults=1, evictions=0, preemptions=1,
+          put_answers=("ok", "-200")),
+    Scope("reuse2", "decode-phase saves on 2 ranks, then the id reused (the second "
+          "request hits the first's prefix), one -200 per path",
+          (ScopeRequest("a", (1, 2, 3), decode=3), _A2), faults=1, evictions=0,
+          preemptions=0, put_answers=("ok", "-200")),
+    Scope("pd-decode", "a decode node (kv_consumer) saving decode-phase KV on 2 ranks "
+          "across a preemption, one -200 per path",
+          (ScopeRequest("a", (1, 2, 3, 4, 5), decode=3, lookup=False, transferred=True),),
+          role=Role.CONSUMER, faults=1, evictions=0, preemptions=1, put_answers=("ok", "-200")),
+    Scope("upstream", "decode-phase saves on 2 ranks, a preemption, an id reuse and a -200 "
+          "in one scope (too large to exhaust in minutes: bug hunting with --budget)",
+          (ScopeRequest("a", (1, 2, 3), decode=2), _A2), faults=1, evictions=0,
+          preemptions=1, put_answers=("ok", "-200")),
     Scope("large", "two ids, one reused, a decode step, a fault, an eviction, a preemption "
           "and an abort per path (millions of states: bug hunting with --budget)",
           (_A1, _B, _A2), faults=1, evictions=1, preemptions=1, aborts=1),

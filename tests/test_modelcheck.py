@@ -179,6 +179,48 @@ SCOPE_FINDS = {
 }
 
 
+# The upstream shapes on two ranks (issue 11): the variants whose bug each
+# scope's ingredients can show, all found (measured: `kvstate modelcheck
+# --scope S --protocol V`). Not in any of them, by shape: save-on-loading-step,
+# lookup-first-namespace and swallow-load-errors need a second request loading
+# (`twins`, `load`), stride-by-relative-chunk needs put_step 2 (`mla`);
+# no-pins-on-preemption needs a preemption (not in `reuse2`), consumer-saves-
+# prefill a consumer (only `pd-decode`), and boundary-without-plus-one a decode
+# step that completes a block after the prompt's own (not in `decode2`).
+_TWO_RANK_FINDS = ("e2", "e1", "e0", "req-id-counter-ledger", "delayed-free-at-finish",
+                   "missing-finally", "consumer-without-backfill", "key-without-rank")
+UPSTREAM_SCOPE_FINDS = {
+    "decode2": (*_TWO_RANK_FINDS, "no-pins-on-preemption", "parent-previous-emitted",
+                "retry-keyed-by-request", "advance-offset-on-failure", "skip-exists-check",
+                "snapshot-from-zero"),
+    "reuse2": (*_TWO_RANK_FINDS, "parent-previous-emitted", "retry-keyed-by-request",
+               "boundary-without-plus-one", "advance-offset-on-failure", "skip-exists-check",
+               "snapshot-from-zero"),
+    "pd-decode": (*_TWO_RANK_FINDS, "no-pins-on-preemption", "boundary-without-plus-one",
+                  "consumer-saves-prefill"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(UPSTREAM_SCOPE_FINDS))
+def test_the_upstream_shapes_are_exhaustive_for_kvstate(name: str) -> None:
+    r = check(SCOPES[name], "kvstate", out_dir=None, workers=2)
+    assert r.exhaustive and r.ok, (name, r.states)
+    assert r.quiet_states > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,variant", [(name, variant)
+                                          for name, found in UPSTREAM_SCOPE_FINDS.items()
+                                          for variant in found])
+def test_the_upstream_shapes_find_each_variant_they_can_show(name: str, variant: str) -> None:
+    from kvstate.invariants import broken_by
+
+    own = broken_by(variant)
+    r = check(SCOPES[name], variant, out_dir=None, only=own)
+    assert r.violation is not None and r.violation.invariant in own, (name, variant)
+
+
 def test_every_variant_has_a_scope_that_finds_it() -> None:
     from kvstate.variants import VARIANTS
 
