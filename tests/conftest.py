@@ -21,6 +21,21 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 MOONCAKE_FIXTURES = {"mooncake_master", "mooncake_store"}
 
 
+# Test modules marked slow as a whole (their ``pytestmark``). The default
+# selection (``-m 'not slow'``) would deselect every test in them anyway, but
+# importing them costs ~25 s (vLLM, torch); they are not even collected then.
+# `tests/test_markers.py` keeps this set equal to the modules' own marks.
+WHOLLY_SLOW_MODULES = frozenset({"test_conformance.py", "test_mooncake.py",
+                                 "test_vllm_connector.py"})
+
+
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
+    if (collection_path.name in WHOLLY_SLOW_MODULES
+            and config.getoption("markexpr", "").strip() == "not slow"):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that uses the real store carries the ``mooncake`` marker
     (``-m 'not mooncake'`` leaves them out), wherever it lives."""

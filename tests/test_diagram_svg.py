@@ -124,6 +124,7 @@ def test_json_names_the_svg_and_the_figures(traces: dict[str, Path], tmp_path: P
     assert doc["mermaid"].startswith("stateDiagram-v2")
 
 
+@pytest.mark.slow
 def test_the_same_input_gives_the_same_bytes(traces: dict[str, Path], tmp_path: Path) -> None:
     for machine in ("request", "job"):
         runs = []

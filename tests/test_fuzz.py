@@ -41,6 +41,7 @@ def test_fuzzer_finds_the_variant_and_writes_a_replayable_trace(variant, tmp_pat
     assert replay_trace(traces[-1]).ok  # the written counterexample replays exactly
 
 
+@pytest.mark.slow
 def test_fuzz_command_reports_runs_and_coverage(tmp_path, capsys) -> None:
     import json
 

@@ -284,6 +284,7 @@ def test_ctrl_c_in_a_watched_campaign_reports_and_exits_130(
     assert re.search(r"^kvstate +1 ", out, re.M), out
 
 
+@pytest.mark.slow
 def test_modelcheck_shows_the_checkers_reports(capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import sim.modelcheck
@@ -313,6 +314,7 @@ def test_modelcheck_shows_the_checkers_reports(capsys: pytest.CaptureFixture[str
     assert piped.err == "" and steady(piped.out) == steady(watched.out)
 
 
+@pytest.mark.slow
 def test_sim_soak_bar_counts_arrivals(capsys: pytest.CaptureFixture[str],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     watch(monkeypatch)
