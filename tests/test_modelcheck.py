@@ -313,22 +313,31 @@ def test_compact_engine_counterexample_with_workers_replays(tmp_path) -> None:
 def test_the_compact_digest_writes_the_legacy_bytes_on_random_walks() -> None:
     """Same digest, byte for byte: the compact engine merges exactly the
     states the legacy one merges (its reductions, its soundness argument)."""
+    from sim.mc_compact import fast_digest
+    from sim.modelcheck import digest
+
+    for name, seed, s in _walks(seeds=4):
+        assert fast_digest(s) == digest(s), (name, seed)
+
+
+def _walks(seeds: int, steps: int = 40):
+    """Every scope, ``seeds`` random walks of up to ``steps`` actions: yields
+    (scope name, seed, state) after each action."""
     import random
 
-    from sim.mc_compact import fast_digest
-    from sim.modelcheck import _symmetric, digest
+    from sim.modelcheck import _symmetric
 
     for name, scope in SCOPES.items():
         symmetric = _symmetric(scope)
-        for seed in range(4):
+        for seed in range(seeds):
             rng = random.Random(seed)
             s = initial(scope, "kvstate")
-            for _ in range(40):
+            for _ in range(steps):
                 actions = enabled(scope, s)
                 if not actions:
                     break
                 apply(scope, s, rng.choice(actions), symmetric)
-                assert fast_digest(s) == digest(s), (name, seed)
+                yield name, seed, s
 
 
 def _scramble_end_only_fields(s, rng) -> None:
@@ -434,15 +443,14 @@ def test_state_counts_do_not_depend_on_the_string_hash_seed() -> None:
 
 
 def test_no_set_of_strings_or_tuples_reaches_the_digest_unordered() -> None:
-    """Every set the digest meets in iteration order must hold only ints
-    or int subclasses (their order is the same in every process); a set of strings or tuples
-    inside a type missing from EXCLUDED_FIELDS would make counts depend on
-    the hash seed again. Random walks on every scope, every set checked."""
+    """Every set the digest meets in iteration order must hold only ints or
+    int subclasses (their order is the same in every process); a set of
+    strings or tuples inside a type missing from EXCLUDED_FIELDS would make
+    counts depend on the hash seed again. Random walks on every scope, every set checked."""
     import io
-    import random
 
     from sim.mc_compact import FastCanonicalPickler
-    from sim.modelcheck import _constants, _symmetric
+    from sim.modelcheck import _constants
 
     class Spy(FastCanonicalPickler):
         unordered: list = []
@@ -454,18 +462,9 @@ def test_no_set_of_strings_or_tuples_reaches_the_digest_unordered() -> None:
                 self.unordered.append(sorted(map(repr, obj))[:3])
             return None
 
-    for scope in SCOPES.values():
-        symmetric = _symmetric(scope)
-        for seed in range(3):
-            rng = random.Random(seed)
-            s = initial(scope, "kvstate")
-            for _ in range(40):
-                actions = enabled(scope, s)
-                if not actions:
-                    break
-                apply(scope, s, rng.choice(actions), symmetric)
-                h = s.h
-                Spy(io.BytesIO(), _constants(s)).dump((h.planner, h.ranks, h.store, h.monitor))
+    for _, _, s in _walks(seeds=3):
+        h = s.h
+        Spy(io.BytesIO(), _constants(s)).dump((h.planner, h.ranks, h.store, h.monitor))
     assert Spy.unordered == []
 
 
