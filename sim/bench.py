@@ -23,6 +23,7 @@ chunk, and a failed chunk in the middle of the prompt's first save).
 
 from __future__ import annotations
 
+import functools
 import gc
 import pickle
 import statistics
@@ -500,53 +501,85 @@ TOOL_SCOPES = ("tiny", "load", "pd", "mla", "twins", "decode", "default", "churn
 
 def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0,
                 mc_budget: float = 60.0, out_dir: str = ".",
-                progress: Any = None) -> dict[str, Any]:
+                progress: Any = None, workers: int = 1) -> dict[str, Any]:
     """Per variant and tool: whether the tool finds the variant's *own* bug
     (one of its characteristic invariants, `kvstate.invariants.broken_by`: every E2-based mutant
     also has e2's bugs, which would otherwise be found first), seconds to find,
     and the counterexample's length — the simulator's in observations (not
     shrunk), Hypothesis's CI profile in rules after shrinking, the model
     checker's in actions (shortest, breadth-first). ``kvstate`` itself is run
-    with every invariant on and must survive all three."""
-    from kvstate.invariants import broken_by
+    with every invariant on and must survive all three.
+
+    ``workers`` > 1 computes the rows in that many processes (a row per
+    variant, independent of the others); the table comes back in variant
+    order, with the same findings and lengths as one process gives. The
+    seconds are then measured beside the other workers: on a machine with
+    fewer free cores than workers they grow, which is why one worker is the
+    default for a benchmark."""
     from kvstate.variants import VARIANTS
+
+    names = list(protocols or VARIANTS)
+    job = functools.partial(_tool_row, sim_budget=sim_budget, mc_budget=mc_budget,
+                            out_dir=out_dir)
+    out: dict[str, Any] = {}
+    if workers <= 1 or len(names) < 2:
+        rows: Any = map(job, names)
+        pool = None
+    else:
+        import multiprocessing
+
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        pool = ctx.Pool(min(workers, len(names)))
+        rows = pool.imap(job, names)  # in order, as each is ready
+    try:
+        for name, row in zip(names, rows):
+            out[name] = row
+            if progress is not None:
+                progress(name, row)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return out
+
+
+def _tool_row(name: str, sim_budget: float, mc_budget: float, out_dir: str) -> dict[str, Any]:
+    """One variant's row of `bench_tools` (a module-level function: a worker
+    process runs it)."""
+    from kvstate.invariants import broken_by
     from sim.campaign import campaign
     from sim.fuzz import fuzz_ci
     from sim.modelcheck import SCOPES, check
 
-    out: dict[str, Any] = {}
-    for name in protocols or list(VARIANTS):
-        row: dict[str, Any] = {"targets": list(broken_by(name))}
-        only = broken_by(name) or None
-        c = campaign(name, budget=sim_budget, stop_when=only or ())
-        hits = [i for i in (only or c.first_found) if i in c.first_found]
-        if hits:
-            inv = min(hits, key=lambda k: c.first_found[k])
-            row["sim"] = {"found": inv, "seconds": c.first_found[inv],
-                          "length": c.first_index[inv], "unit": "observations"}
-        else:
-            row["sim"] = {"found": None, "seconds": c.seconds, "runs": c.runs}
-        f = fuzz_ci(name, out_dir=out_dir, only=only)
-        row["hypothesis"] = ({"found": f.invariant, "seconds": f.seconds, "length": f.rules,
-                              "unit": "rules", "profile": f.profile} if not f.ok
-                             else {"found": None, "seconds": f.seconds})
-        spent = 0.0
-        row["modelcheck"] = {"found": None, "seconds": 0.0, "scopes": []}
-        for scope in TOOL_SCOPES:
-            r = check(SCOPES[scope], name, budget=mc_budget, out_dir=out_dir, only=only)
-            spent += r.seconds
-            row["modelcheck"]["scopes"].append(
-                {"scope": scope, "states": r.states, "exhaustive": r.exhaustive})
-            if r.violation is not None:
-                row["modelcheck"].update(found=r.violation.invariant, scope=scope,
-                                         length=len(r.violation.actions), unit="actions",
-                                         states=r.states, trace=r.violation.trace)
-                break
-        row["modelcheck"]["seconds"] = round(spent, 3)
-        out[name] = row
-        if progress is not None:
-            progress(name, row)
-    return out
+    row: dict[str, Any] = {"targets": list(broken_by(name))}
+    only = broken_by(name) or None
+    c = campaign(name, budget=sim_budget, stop_when=only or ())
+    hits = [i for i in (only or c.first_found) if i in c.first_found]
+    if hits:
+        inv = min(hits, key=lambda k: c.first_found[k])
+        row["sim"] = {"found": inv, "seconds": c.first_found[inv],
+                      "length": c.first_index[inv], "unit": "observations"}
+    else:
+        row["sim"] = {"found": None, "seconds": c.seconds, "runs": c.runs}
+    f = fuzz_ci(name, out_dir=out_dir, only=only)
+    row["hypothesis"] = ({"found": f.invariant, "seconds": f.seconds, "length": f.rules,
+                          "unit": "rules", "profile": f.profile} if not f.ok
+                         else {"found": None, "seconds": f.seconds})
+    spent = 0.0
+    row["modelcheck"] = {"found": None, "seconds": 0.0, "scopes": []}
+    for scope in TOOL_SCOPES:
+        r = check(SCOPES[scope], name, budget=mc_budget, out_dir=out_dir, only=only)
+        spent += r.seconds
+        row["modelcheck"]["scopes"].append(
+            {"scope": scope, "states": r.states, "exhaustive": r.exhaustive})
+        if r.violation is not None:
+            row["modelcheck"].update(found=r.violation.invariant, scope=scope,
+                                     length=len(r.violation.actions), unit="actions",
+                                     states=r.states, trace=r.violation.trace)
+            break
+    row["modelcheck"]["seconds"] = round(spent, 3)
+    return row
 
 
 def format_tools(report: dict[str, Any]) -> str:

@@ -251,6 +251,27 @@ def test_bench_tools_fills_a_variants_row(tmp_path, capsys) -> None:
         assert row[tool]["length"] > 0
 
 
+@pytest.mark.slow
+def test_bench_tools_gives_the_same_rows_with_two_workers(tmp_path) -> None:
+    """The per-variant tool table across processes: same variants in the same
+    order, same findings and counterexample lengths as one process."""
+    from sim.bench import bench_tools
+
+    def findings(report):
+        return [(name, [(tool, row[tool]["found"], row[tool].get("length"))
+                        for tool in ("sim", "hypothesis", "modelcheck")])
+                for name, row in report.items()]
+
+    names = ["e1", "key-without-rank", "e0"]
+    one = bench_tools(names, sim_budget=5, mc_budget=10, out_dir=str(tmp_path))
+    seen: list[str] = []
+    two = bench_tools(names, sim_budget=5, mc_budget=10, out_dir=str(tmp_path), workers=2,
+                      progress=lambda name, row: seen.append(name))
+    assert list(two) == names and seen == names
+    assert findings(two) == findings(one)
+    assert all(row["modelcheck"]["found"] for row in two.values())
+
+
 # ---------------------------------------------------------------------------
 # The compact engine against the legacy loop (issue 11): same verdicts, same
 # state counts, same shortest counterexamples.

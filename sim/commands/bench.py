@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                   "invariants (first violation each)")
         tools = bench_tools(args.tool_protocol, sim_budget=5 if args.quick else 30,
                             mc_budget=10 if args.quick else 60, out_dir=args.out_dir,
-                            progress=show)
+                            progress=show, workers=args.workers)
         report["tools"] = tools
         if not args.json:
             print("\n" + format_tools(tools))
@@ -137,6 +137,10 @@ def register(sub: Any) -> None:
                        help="what to measure (default: core sim)")
     parser.add_argument("--tool-protocol", type=protocol_name, action="append",
                        help="for 'tools': only these variants (repeatable; default: all)")
+    parser.add_argument("--workers", type=positive_int, default=1,
+                       help="for 'tools': compute the variants' rows in N processes (same "
+                       "findings and lengths; the seconds then include the other workers' "
+                       "load, so 1 is the default)")
     parser.add_argument("--out-dir", default=".",
                        help="for 'tools': where counterexample traces go")
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
