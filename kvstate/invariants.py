@@ -235,7 +235,11 @@ class _Job:
         # Ranks that dequeued the job after its generation was preempted (S21).
         self.late_start: set[int] = set()
         self.token_len = 0
-        self.checked: dict[int, set[str]] = {}
+        # (rank, key) of every existence check a rank made for the job (S9).
+        # A set of facts, not a dict per rank: which rank checked first is no
+        # verdict's business, and a dict would keep it (insertion order), so
+        # the model checker would count the two orders as two states.
+        self.checked: set[tuple[int, str]] = set()
         self.reports: set[int] = set()
         self.complete = False  # every rank reported it (derived, never taken from a recorder)
         self.claimed = False  # a settlement listed it as released before it was complete
@@ -710,7 +714,8 @@ class Monitor:
     def _on_ExistsAnswered(self, obs: ExistsAnswered) -> None:
         job = self.jobs.get(obs.job_id)
         if job is not None:
-            job.checked.setdefault(obs.rank, set()).update(obs.keys)
+            rank = obs.rank
+            job.checked.update((rank, key) for key in obs.keys)
 
     def _on_PutDone(self, obs: PutDone) -> None:
         config = self.config
@@ -724,8 +729,8 @@ class Monitor:
             if obs.rank in job.late_start and gen is not None and gen.preempted:
                 self.fail("S21", f"rank {obs.rank} job {obs.job_id} dequeued after {gen_key} "
                           "was preempted and still put")
-            if obs.accepted is False and obs.code == 0 and obs.key not in job.checked.get(
-                    obs.rank, ()):
+            if obs.accepted is False and obs.code == 0 and (
+                    obs.rank, obs.key) not in job.checked:
                 self.fail("S9", f"rank {obs.rank} job {obs.job_id} put {obs.key} unchecked; "
                           "the store already held it")
             if (obs.chunk_id + 1) * config.block_size > max(job.token_len, 0):

@@ -743,4 +743,17 @@ def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
         else:
             figures[f"speedup_w{n}"] = round(rate / base, 2)
     figures["same_results"] = all(o == outcomes[0] for o in outcomes)
+    # Sizing from the one-worker run: a campaign's cost is its observations
+    # (each seed's run length varies with its workload and faults).
+    per_seed = outcomes[0]["observations"] / max(outcomes[0]["runs"], 1)
+    per_cpu_s = per_seed / max(figures[f"cpu_s_per_seed_w{counts[0]}"], 1e-9)
+    figures["observations_per_seed"] = round(per_seed)
+    figures["observations_per_cpu_s"] = round(per_cpu_s)
+    figures["cpu_hours_for_10k_seeds_of_1e5_observations"] = round(
+        SIZING_SEEDS * SIZING_OBSERVATIONS / per_cpu_s / 3600, 2)
     return figures
+
+
+# The campaign the README sizes (issue 11: 10,000 seeds of 10^5 steps each).
+SIZING_SEEDS = 10_000
+SIZING_OBSERVATIONS = 100_000

@@ -35,6 +35,9 @@ class CampaignResult:
     first_index: dict[str, int] = attrs.Factory(dict)
     # Ctrl-C stopped it: ``runs`` and everything found are the seeds folded so far.
     interrupted: bool = False
+    # Observations the folded seeds' runs made, all together (what a
+    # campaign's cost scales with: `kvstate bench campaign` sizes from it).
+    observations: int = 0
 
     @property
     def ok(self) -> bool:
@@ -51,6 +54,7 @@ class SeedOutcome:
     fired: tuple[tuple[str, int], ...]
     # invariant -> first observation index at which it broke in this run
     found: tuple[tuple[str, int], ...]
+    observations: int = 0  # the run's length
 
 
 @attrs.frozen
@@ -80,7 +84,7 @@ def run_seed(base: SimOptions, protocol: str, seed: int, setups: Sequence[str]) 
     for _, f in result.findings:
         found[f.invariant] = min(found.get(f.invariant, f.event_index), f.event_index)
     return SeedOutcome(seed, options.command(), tuple(sorted(result.fault_fired.items())),
-                       tuple(sorted(found.items())))
+                       tuple(sorted(found.items())), result.figures["observations"])
 
 
 class _Inline:
@@ -207,6 +211,7 @@ def campaign(
     counts: Counter[str] = Counter()
     fired: Counter[str] = Counter()
     runs = 0
+    observations = 0
     submitted: deque[Any] = deque()
     next_seed = start_seed
     interrupted = False
@@ -222,6 +227,7 @@ def campaign(
                 break
             outcome: SeedOutcome = runner.result(submitted.popleft())
             runs += 1
+            observations += outcome.observations
             fired.update(dict(outcome.fired))
             for invariant, index in outcome.found:
                 counts[invariant] += 1
@@ -245,7 +251,7 @@ def campaign(
     return CampaignResult(protocol, runs, round(time.perf_counter() - started, 3), first_found,
                           first_command, dict(counts), dict(fired),
                           [s for s in configured if s in SITES and not fired.get(s)], first_index,
-                          interrupted)
+                          interrupted, observations)
 
 
 def summary(result: CampaignResult) -> dict[str, Any]:

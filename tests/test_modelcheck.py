@@ -410,6 +410,27 @@ def _verdicts_with_and_without_scrambling(scope: Scope, protocol: str, seed: int
     return differences
 
 
+def _walk(scope: Scope, actions: list) -> bytes:
+    from sim.modelcheck import _symmetric, digest
+
+    s = initial(scope, "kvstate")
+    for action in actions:
+        assert action in enabled(scope, s), (action, enabled(scope, s))
+        apply(scope, s, action, _symmetric(scope))
+    return digest(s)
+
+
+def test_the_order_in_which_two_ranks_check_a_job_is_one_state() -> None:
+    """Both ranks dequeue the prefill's save job; whether rank 0 or rank 1
+    gets its existence answer first, the next state is the same: the monitor
+    keeps the keys each rank checked (S9) as facts, not in arrival order."""
+    scope = SCOPES["default"]
+    both_checking = [("admit", 0), ("step",), ("rank", 0, "ok"), ("rank", 1, "ok")]
+    zero_first = _walk(scope, both_checking + [("rank", 0, "ok"), ("rank", 1, "ok")])
+    one_first = _walk(scope, both_checking + [("rank", 1, "ok"), ("rank", 0, "ok")])
+    assert zero_first == one_first
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", list(VARIANTS))
 def test_fields_the_digest_leaves_out_decide_no_verdict(protocol: str) -> None:
@@ -558,6 +579,29 @@ def test_a_parallel_campaign_stops_at_the_same_seed_as_a_sequential_one() -> Non
     three = campaign("e1", seeds=8, base=_small(), workers=3, stop_when_found=True)
     assert _deterministic(one) == _deterministic(three)
     assert one.runs == 1
+
+
+def test_a_campaign_counts_the_observations_of_the_seeds_it_folded() -> None:
+    """What a campaign costs is its runs' length: the sum over its seeds."""
+    from sim.campaign import campaign, seed_options
+    from sim.runner import simulate
+
+    result = campaign("kvstate", seeds=2, base=_small())
+    each = [simulate(seed_options(_small(), "kvstate", seed, ("both", "pd")),
+                     stop_at_first=False).figures["observations"] for seed in range(2)]
+    assert min(each) > 0
+    assert result.observations == sum(each)
+
+
+@pytest.mark.slow
+def test_bench_campaign_sizes_the_issue_campaign_from_its_own_run() -> None:
+    from sim.bench import SIZING_OBSERVATIONS, SIZING_SEEDS, bench_campaign
+
+    figures = bench_campaign(seeds=2, workers=[1])
+    per_cpu_s = figures["observations_per_seed"] / figures["cpu_s_per_seed_w1"]
+    hours = SIZING_SEEDS * SIZING_OBSERVATIONS / per_cpu_s / 3600
+    assert figures["observations_per_seed"] > 0 and figures["same_results"]
+    assert figures["cpu_hours_for_10k_seeds_of_1e5_observations"] == pytest.approx(hours, rel=0.02)
 
 
 @pytest.mark.slow
