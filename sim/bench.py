@@ -743,7 +743,8 @@ def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
         else:
             figures[f"speedup_w{n}"] = round(rate / base, 2)
     figures["same_results"] = all(o == outcomes[0] for o in outcomes)
-    # Sizing from the one-worker run: a campaign's cost is its observations
+    # Sizing from the first run (one worker unless ``workers`` says otherwise;
+    # the CPU seconds count every worker): a campaign's cost is its observations
     # (each seed's run length varies with its workload and faults).
     per_seed = outcomes[0]["observations"] / max(outcomes[0]["runs"], 1)
     per_cpu_s = per_seed / max(figures[f"cpu_s_per_seed_w{counts[0]}"], 1e-9)

@@ -54,7 +54,7 @@ class SeedOutcome:
     fired: tuple[tuple[str, int], ...]
     # invariant -> first observation index at which it broke in this run
     found: tuple[tuple[str, int], ...]
-    observations: int = 0  # the run's length
+    observations: int  # the run's length
 
 
 @attrs.frozen

@@ -410,7 +410,8 @@ def _verdicts_with_and_without_scrambling(scope: Scope, protocol: str, seed: int
     return differences
 
 
-def _walk(scope: Scope, actions: list) -> bytes:
+def _digest_after(scope: Scope, actions: list) -> bytes:
+    """The digest of the state ``actions`` (each enabled in turn) reach."""
     from sim.modelcheck import _symmetric, digest
 
     s = initial(scope, "kvstate")
@@ -426,8 +427,8 @@ def test_the_order_in_which_two_ranks_check_a_job_is_one_state() -> None:
     keeps the keys each rank checked (S9) as facts, not in arrival order."""
     scope = SCOPES["default"]
     both_checking = [("admit", 0), ("step",), ("rank", 0, "ok"), ("rank", 1, "ok")]
-    zero_first = _walk(scope, both_checking + [("rank", 0, "ok"), ("rank", 1, "ok")])
-    one_first = _walk(scope, both_checking + [("rank", 1, "ok"), ("rank", 0, "ok")])
+    zero_first = _digest_after(scope, both_checking + [("rank", 0, "ok"), ("rank", 1, "ok")])
+    one_first = _digest_after(scope, both_checking + [("rank", 1, "ok"), ("rank", 0, "ok")])
     assert zero_first == one_first
 
 
