@@ -112,7 +112,8 @@ class FastCanonicalPickler(CanonicalPickler):
                 n = seen[obj] = len(seen)
             return int, (n,)
         if handler == 2:  # excluded fields
-            return tuple, (_field_state(obj, EXCLUDED_FIELDS[kind]),)
+            return tuple, (_field_state(obj, EXCLUDED_FIELDS[kind],
+                                        self.unordered.get(kind, _NONE)),)
         if handler == 3:  # a constant's type
             tag = self.constants.get(id(obj))
             return NotImplemented if tag is None else (str, (tag,))
@@ -134,6 +135,7 @@ def _constant_types() -> tuple[type, ...]:
     return (Harness, ConnectorConfig, Variant, BlockPool, NextAnswers)
 
 
+_NONE: frozenset[str] = frozenset()
 _CONSTANT_TYPES = _constant_types()
 assert not set(_CONSTANT_TYPES) & (set(EXCLUDED_FIELDS) | set(ORDINALS) | {BlockId, RequestName})
 _DISPATCH: dict[type, int] = {

@@ -511,6 +511,167 @@ def test_no_set_of_strings_or_tuples_reaches_the_digest_unordered() -> None:
     assert Spy.unordered == []
 
 
+# ---------------------------------------------------------------------------
+# Dicts the digest writes sorted (UNORDERED_FIELDS): nothing may read their order.
+
+_ORDER_FREE_METHODS = frozenset({"get", "pop", "setdefault", "clear"})
+_ORDER_FREE_CALLS = frozenset({"len", "sorted", "bool", "min", "max", "set", "frozenset"})
+
+# Uses that do read the order, each outside anything the model checker runs.
+_ORDER_READ_ELSEWHERE = {
+    # the scripted scenario evicts every key, oldest first
+    ("kvstate/scenarios.py", "objects", "evicted_and_reput"),
+    # the Hypothesis state machine evicts the oldest key
+    ("kvstate/testing.py", "objects", "ConnectorMachine.evict"),
+    # the simulator's capacity-bounded store (a subclass: the digest picks
+    # UNORDERED_FIELDS by exact type, so its dict is written in order)
+    ("sim/store.py", "objects", "SimStore.evict_oldest"),
+}
+
+
+def _order_free(node, parents) -> bool:
+    """Whether this use of a dict can see nothing of its order: a lookup, a
+    write, a ``get``/``pop``, ``in``, ``len``, ``sorted``, a truth test, or
+    binding a new dict."""
+    import ast
+
+    p = parents.get(node)
+    if isinstance(p, ast.Subscript) and p.value is node:
+        return True
+    if isinstance(p, ast.Compare) and node in p.comparators:
+        return isinstance(p.ops[p.comparators.index(node)], (ast.In, ast.NotIn))
+    if isinstance(p, ast.Attribute) and p.value is node and p.attr in _ORDER_FREE_METHODS:
+        call = parents.get(p)
+        return isinstance(call, ast.Call) and call.func is p
+    if (isinstance(p, ast.Call) and isinstance(p.func, ast.Name)
+            and p.func.id in _ORDER_FREE_CALLS and node in p.args):
+        return True
+    if isinstance(p, (ast.Assign, ast.AnnAssign)) and node is not p.value:
+        return True
+    if isinstance(p, (ast.If, ast.While, ast.IfExp)) and p.test is node:
+        return True
+    return isinstance(p, ast.UnaryOp) and isinstance(p.op, ast.Not)
+
+
+def _order_reading_uses(source: str, fields: set[str]) -> list[tuple[str, str]]:
+    """(field, enclosing Class.function) of every use of an attribute named
+    in ``fields`` that is not order-free."""
+    import ast
+
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in fields \
+                and not _order_free(node, parents):
+            names, up = [], node
+            while up in parents:
+                up = parents[up]
+                if isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.append(up.name)
+            found.append((node.attr, ".".join(reversed(names)) or "<module>"))
+    return found
+
+
+def test_no_code_reads_the_order_of_a_dict_the_digest_sorts() -> None:
+    """The digest writes the store's objects and the monitor's frontier
+    sorted; that is sound only while the code the model checker runs never
+    iterates them. Every module of kvstate and sim, parsed; the only uses that
+    read an order are the three listed (none run by the model checker)."""
+    from pathlib import Path
+
+    from sim.modelcheck import UNORDERED_FIELDS
+
+    root = Path(__file__).resolve().parent.parent
+    fields = {name for names in UNORDERED_FIELDS.values() for name in names}
+    assert fields == {"objects", "frontier"}, "check the new field's uses here"
+    found = set()
+    for top in ("kvstate", "sim"):
+        for path in sorted((root / top).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            found |= {(rel, *use) for use in _order_reading_uses(path.read_text(), fields)}
+    assert found == _ORDER_READ_ELSEWHERE
+
+
+def test_the_source_scan_sees_a_loop_over_a_sorted_dict() -> None:
+    source = """
+class Store:
+    def keys_in_order(self):
+        for key in self.objects:
+            yield key
+    def first(self):
+        return list(self.frontier)[0]
+    def fine(self, key):
+        if key in self.objects and self.frontier.get(key) and len(self.objects):
+            self.objects[key] = sorted(self.frontier)
+"""
+    assert _order_reading_uses(source, {"objects", "frontier"}) == [
+        ("objects", "Store.keys_in_order"), ("frontier", "Store.first")]
+
+
+def _shuffle_unordered_dicts(s, rng) -> None:
+    from sim.modelcheck import UNORDERED_FIELDS
+
+    for obj in (s.h.store, s.h.monitor):
+        for name in UNORDERED_FIELDS.get(type(obj), ()):
+            items = list(getattr(obj, name).items())
+            rng.shuffle(items)
+            setattr(obj, name, dict(items))
+
+
+def _futures_with_dicts_shuffled(scope: Scope, seed: int) -> list:
+    """A random walk; before each action a copy gets its order-free dicts
+    shuffled; the action's findings and the digest after must not differ."""
+    import random
+
+    from sim.modelcheck import _symmetric, digest
+
+    rng = random.Random(seed)
+    symmetric = _symmetric(scope)
+    s = initial(scope, "kvstate")
+    differences = []
+    for _ in range(60):
+        actions = enabled(scope, s)
+        if not actions:
+            break
+        action = rng.choice(actions)
+        # Two copies (a copy can share objects differently from the state it
+        # came from, and the digest sees sharing), one of them shuffled.
+        blob = pickle.dumps(s)
+        plain, twin = pickle.loads(blob), pickle.loads(blob)
+        _shuffle_unordered_dicts(twin, rng)
+        apply(scope, s, action, symmetric)
+        outcome = []
+        for state in (plain, twin):
+            state.h.monitor.findings.clear()
+            apply(scope, state, action, symmetric)
+            outcome.append(([(f.invariant, f.message) for f in state.h.monitor.findings],
+                            enabled(scope, state), digest(state)))
+        if outcome[0] != outcome[1]:
+            differences.append(action)
+    return differences
+
+
+@pytest.mark.parametrize("name", ["default", "churn", "decode", "reuse2"])
+def test_shuffling_the_dicts_the_digest_sorts_changes_no_future(name: str) -> None:
+    for seed in range(4):
+        assert _futures_with_dicts_shuffled(SCOPES[name], seed) == [], seed
+
+
+def test_the_shuffling_test_catches_code_that_reads_the_store_order(monkeypatch) -> None:
+    """A store whose existence check answers for the oldest keys only (a made-up
+    order-reading rule) gives different futures once its dict is shuffled."""
+    from kvstate.memory_store import MemoryStore
+
+    def oldest_only(self, rank, keys):
+        oldest = set(list(self.objects)[:1])
+        return [k in oldest for k in keys]
+
+    monkeypatch.setattr(MemoryStore, "exists", oldest_only)
+    assert any(_futures_with_dicts_shuffled(SCOPES[name], seed)
+               for name in ("default", "reuse2") for seed in range(4))
+
+
 def test_unknown_engine_and_bad_worker_counts_are_refused(capsys) -> None:
     with pytest.raises(ValueError, match="engine"):
         check(TINY, "kvstate", engine="nope")
