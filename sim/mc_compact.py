@@ -366,7 +366,9 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
         order: list[bytes] = [key]  # keys in discovery order (what workers are told)
         level: list[tuple[bytes, bytes]] = [(key, blob)]
         expander = Expander(scope, protocol, reduce, only)
-        pool = _Pool(workers, scope, protocol, reduce, only) if workers > 1 else None
+        # Started at the first level wide enough to share (`_batches`): a
+        # scope that never gets one forks nothing, whatever the core count.
+        pool = _LazyPool(workers, scope, protocol, reduce, only)
         started = last_report = time.perf_counter()
         depth = 0
         stopped = False
@@ -414,26 +416,44 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                 level = following
                 depth += 1
         finally:
-            if pool is not None:
-                pool.close()
+            pool.close()
     result.states = len(parents)
     result.seconds = time.perf_counter() - started
     result.exhaustive = not level and result.violation is None
     return result
 
 
-def _batches(pool: _Pool | None, workers: int, expander: Expander,
+class _LazyPool:
+    """A `_Pool` started when first needed, closed only if it was."""
+
+    def __init__(self, workers: int, scope: Scope, protocol: str, reduce: bool,
+                 only: Sequence[str] | None) -> None:
+        self.workers = workers
+        self.args = (scope, protocol, reduce, only)
+        self.pool: _Pool | None = None
+
+    def get(self) -> _Pool:
+        if self.pool is None:
+            self.pool = _Pool(self.workers, *self.args)
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _batches(pool: _LazyPool, workers: int, expander: Expander,
              level: list[tuple[bytes, bytes]], order: list[bytes],
              parents: dict[bytes, tuple[bytes, Action] | None]) -> Any:
     """A level's results in frontier order, computed a batch at a time (a
     budget is then checked every `BATCH` states a worker, not once a level,
     and each batch's workers know the keys merged from the batches before)."""
-    if pool is None or len(level) < 2 * workers:
+    if workers < 2 or len(level) < 2 * workers:
         yield from _inline(expander, level, parents)
         return
     step = BATCH * workers
     for start in range(0, len(level), step):
-        yield from pool.expand(level[start:start + step], order, expander, parents)
+        yield from pool.get().expand(level[start:start + step], order, expander, parents)
 
 
 def _inline(expander: Expander, level: list[tuple[bytes, bytes]],

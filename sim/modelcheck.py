@@ -640,6 +640,9 @@ def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = Non
     verdicts, state counts and counterexample lengths)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown model-checker engine {engine!r}; known: {', '.join(ENGINES)}")
+    if engine == "legacy" and workers != 1:
+        raise ValueError(f"workers={workers} needs the compact engine (the legacy loop runs "
+                         "in one process)")
     if engine == "compact":
         from sim.mc_compact import check_compact
 

@@ -683,6 +683,58 @@ def test_unknown_engine_and_bad_worker_counts_are_refused(capsys) -> None:
     capsys.readouterr()
 
 
+def test_the_legacy_loop_refuses_workers_rather_than_ignoring_them(capsys) -> None:
+    with pytest.raises(ValueError, match="compact engine"):
+        check(TINY, "kvstate", engine="legacy", workers=2)
+    assert main(["modelcheck", "--scope", "tiny", "--engine", "legacy",
+                 "--workers", "2"]) == 2
+    assert "--workers 2 needs the compact engine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], 3),  # every core (the stand-in machine has 3)
+    (["--workers", "1"], 1),
+    (["--engine", "legacy"], 1),
+])
+def test_modelcheck_uses_every_core_unless_told(monkeypatch, capsys, argv, expected) -> None:
+    import sim.mc_compact
+    import sim.modelcheck
+
+    monkeypatch.setattr(sim.mc_compact, "default_workers", lambda: 3)
+    used = []
+    real = sim.modelcheck.check
+
+    def spy(*args, **kwargs):
+        used.append(kwargs["workers"])
+        return real(*args, **{**kwargs, "workers": 1})
+
+    monkeypatch.setattr(sim.modelcheck, "check", spy)
+    assert main(["modelcheck", "--scope", "tiny", "--json", *argv]) == 0
+    assert used == [expected]
+    capsys.readouterr()
+
+
+def test_workers_start_only_when_a_level_is_wide_enough_to_share(monkeypatch) -> None:
+    """Every core is the default: on a machine with many, a small scope must
+    not fork a process per core (a level narrower than two states a worker is
+    expanded inline), and the answer is the one-process answer."""
+    import sim.mc_compact
+
+    started = []
+    real = sim.mc_compact._Pool
+
+    def spy(workers, *args):
+        started.append(workers)
+        return real(workers, *args)
+
+    monkeypatch.setattr(sim.mc_compact, "_Pool", spy)
+    many = check(TINY, "kvstate", out_dir=None, workers=1000)
+    assert started == []
+    assert _outcome(many) == _outcome(check(TINY, "kvstate", out_dir=None))
+    two = check(TINY, "kvstate", out_dir=None, workers=2)
+    assert started == [2] and _outcome(two) == _outcome(many)
+
+
 def test_compact_engine_leaves_the_garbage_collector_as_it_found_it() -> None:
     import gc
 

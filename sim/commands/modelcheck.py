@@ -42,6 +42,15 @@ def run(args: argparse.Namespace) -> int:
     if any(n not in SCOPES for n in names):
         raise UsageError(f"unknown scope {args.scope!r}; known: all, {', '.join(SCOPES)}")
     protocols = args.protocol or ["kvstate"]
+    if args.engine == "legacy" and args.workers not in (None, 1):
+        raise UsageError(f"--workers {args.workers} needs the compact engine; the legacy "
+                         "loop runs in one process")
+    if args.workers is not None:
+        workers = args.workers
+    else:
+        from sim.mc_compact import default_workers
+
+        workers = default_workers() if args.engine == "compact" else 1
     runs = []
     cov = Coverage()
     for protocol in protocols:
@@ -54,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                                               total=total, unit=unit) as bar:
                 r = check(scope, protocol, budget=args.budget, max_states=args.max_states,
                           reduce=not args.no_reduction, out_dir=args.out_dir,
-                          engine=args.engine, workers=args.workers,
+                          engine=args.engine, workers=workers,
                           progress=_on_report(args, bar) if bar.active else None)
             runs.append(r)
             if not args.json:
@@ -118,8 +127,10 @@ def register(sub: Any) -> None:
     parser.add_argument("--out-dir", default=".", help="where counterexample traces go")
     parser.add_argument("--engine", choices=("compact", "legacy"), default="compact",
                     help="compact (default) or legacy (the original loop, for comparison)")
-    parser.add_argument("--workers", type=positive_int, default=1,
-                    help="processes expanding each breadth-first level (compact engine)")
+    parser.add_argument("--workers", type=positive_int, default=None,
+                    help="processes expanding each breadth-first level (compact engine; "
+                    "default: every core; same states, counts and counterexamples for any "
+                    "number)")
     parser.add_argument("--json", action="store_true")
     add_progress_option(parser)
     parser.set_defaults(func=run)
