@@ -379,17 +379,23 @@ def _scramble_end_only_fields(s, rng) -> None:
                                _Job: {"step"}}, "scramble the new field here too"
 
 
-def _verdicts_with_and_without_scrambling(scope: Scope, protocol: str, seed: int) -> list:
+def _random_actions(scope: Scope, protocol: str, seed: int, steps: int = 60):
+    """A random walk's (state, next action, rng): the caller applies the
+    action to the state (or not) before asking for the next."""
     import random
 
     rng = random.Random(seed)
     s = initial(scope, protocol)
-    differences = []
-    for _ in range(60):
+    for _ in range(steps):
         actions = enabled(scope, s)
         if not actions:
-            break
-        action = rng.choice(actions)
+            return
+        yield s, rng.choice(actions), rng
+
+
+def _verdicts_with_and_without_scrambling(scope: Scope, protocol: str, seed: int) -> list:
+    differences = []
+    for s, action, rng in _random_actions(scope, protocol, seed):
         twin = pickle.loads(pickle.dumps(s))
         _scramble_end_only_fields(twin, rng)
         verdicts = []
@@ -622,19 +628,11 @@ def _shuffle_unordered_dicts(s, rng) -> None:
 def _futures_with_dicts_shuffled(scope: Scope, seed: int) -> list:
     """A random walk; before each action a copy gets its order-free dicts
     shuffled; the action's findings and the digest after must not differ."""
-    import random
-
     from sim.modelcheck import _symmetric, digest
 
-    rng = random.Random(seed)
     symmetric = _symmetric(scope)
-    s = initial(scope, "kvstate")
     differences = []
-    for _ in range(60):
-        actions = enabled(scope, s)
-        if not actions:
-            break
-        action = rng.choice(actions)
+    for s, action, rng in _random_actions(scope, "kvstate", seed):
         # Two copies (a copy can share objects differently from the state it
         # came from, and the digest sees sharing), one of them shuffled.
         blob = pickle.dumps(s)
