@@ -706,9 +706,21 @@ def bench_modelcheck(scope: str = "default", max_states: int | None = 15_000,
                                   "seconds": round(r.seconds, 2),
                                   "states_per_s": round(r.states_per_second),
                                   "states_per_cpu_s": round(r.states / cpu) if cpu else 0}
+    # Where a compact transition's time goes: one more one-worker run, its
+    # phases timed (the timers cost a few per cent, so it is not one of the
+    # rates above).
+    from sim.mc_compact import TimedExpander, check_compact
+
+    timed = TimedExpander(sc, "kvstate", True, None)
+    r = check_compact(sc, "kvstate", max_states=max_states, out_dir=None, expander=timed)
+    counts.add((r.states, r.transitions, r.quiet_states, r.exhaustive))
     legacy = runs["legacy_w1"]["states_per_s"] or 1
     figures: dict[str, Any] = {"scope": scope, "max_states": max_states,
                                "same_counts": len(counts) == 1}
+    for phase, seconds in timed.seconds.items():
+        figures[f"phase_{phase}_share"] = round(seconds / r.seconds, 3) if r.seconds else 0.0
+        figures[f"phase_{phase}_us_per_transition"] = round(
+            seconds / max(timed.transitions, 1) * 1e6)
     for name, row in runs.items():
         figures[f"{name}_states_per_s"] = row["states_per_s"]
         figures[f"{name}_states_per_cpu_s"] = row["states_per_cpu_s"]

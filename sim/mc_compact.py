@@ -169,7 +169,11 @@ class Expanded:
 
 
 class Expander:
-    """Computes `Expanded` for pickled states of one scope and protocol."""
+    """Computes `Expanded` for pickled states of one scope and protocol.
+
+    A transition's four phases are methods of their own (`copy`, `step`,
+    `key`, `store`) so that `TimedExpander` can time them
+    (``kvstate bench modelcheck`` prints the shares)."""
 
     def __init__(self, scope: Scope, protocol: str, reduce: bool,
                  only: Sequence[str] | None) -> None:
@@ -178,38 +182,49 @@ class Expander:
         self.symmetric = _symmetric(scope) if reduce else set()
         self.transitions = 0
 
+    def copy(self, blob: bytes) -> System:
+        return pickle.loads(blob)
+
+    def step(self, s: System, action: Action) -> None:
+        apply(self.scope, s, action, self.symmetric)
+
+    def key(self, s: System) -> bytes:
+        return state_key(s, self.reduce)
+
+    def store(self, s: System) -> bytes:
+        return pickle.dumps(s, protocol=5)
+
     def expand(self, key: bytes, blob: bytes, seen: Collection[bytes]) -> Expanded:
-        scope, reduce = self.scope, self.reduce
-        s: System = pickle.loads(blob)
-        actions = enabled(scope, s)
+        s = self.copy(blob)
+        actions = enabled(self.scope, s)
         children: list[tuple[Action, bytes, bytes | None]] = []
         fresh: set[bytes] = set()
         moved = False
         for n, action in enumerate(actions):
             if n:
                 discard(s)
-                s = pickle.loads(blob)
+                s = self.copy(blob)
             findings = s.h.monitor.findings
             findings.clear()
-            apply(scope, s, action, self.symmetric)
+            self.step(s, action)
             self._count()
             if findings:
                 first = findings[0]
                 discard(s)
                 return Expanded(tuple(children), (action, first.invariant, first.message))
-            child = state_key(s, reduce)
+            child = self.key(s)
             if child != key:
                 moved = True
             if child in seen or child in fresh:
                 children.append((action, child, None))
             else:
                 fresh.add(child)
-                children.append((action, child, pickle.dumps(s, protocol=5)))
+                children.append((action, child, self.store(s)))
         discard(s)
         if moved:
             return Expanded(tuple(children))
         # Nothing left but no-op steps: the liveness check at quiescence.
-        s = pickle.loads(blob)
+        s = self.copy(blob)
         s.h.monitor.findings.clear()
         s.h.quiesce()
         findings = s.h.monitor.findings
@@ -221,6 +236,41 @@ class Expander:
         self.transitions += 1
         if self.transitions % COLLECT_EVERY == 0:
             gc.collect()
+
+
+class TimedExpander(Expander):
+    """An `Expander` that adds up the seconds of each phase of a transition:
+    copying the parent, the core's step, the canonical digest, pickling a
+    new state (the measurement behind "copy and digest cost more than the
+    core", kept runnable: ``kvstate bench modelcheck``)."""
+
+    def __init__(self, scope: Scope, protocol: str, reduce: bool,
+                 only: Sequence[str] | None) -> None:
+        super().__init__(scope, protocol, reduce, only)
+        self.seconds = {"copy": 0.0, "step": 0.0, "digest": 0.0, "store": 0.0}
+
+    def copy(self, blob: bytes) -> System:
+        started = time.perf_counter()
+        s = super().copy(blob)
+        self.seconds["copy"] += time.perf_counter() - started
+        return s
+
+    def step(self, s: System, action: Action) -> None:
+        started = time.perf_counter()
+        super().step(s, action)
+        self.seconds["step"] += time.perf_counter() - started
+
+    def key(self, s: System) -> bytes:
+        started = time.perf_counter()
+        k = super().key(s)
+        self.seconds["digest"] += time.perf_counter() - started
+        return k
+
+    def store(self, s: System) -> bytes:
+        started = time.perf_counter()
+        blob = super().store(s)
+        self.seconds["store"] += time.perf_counter() - started
+        return blob
 
 
 class _Collector:
@@ -351,8 +401,10 @@ def default_workers() -> int:
 def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | None = None,
                   max_states: int | None = None, reduce: bool = True,
                   out_dir: str | None = ".", progress: Callable[[Result], None] | None = None,
-                  only: Sequence[str] | None = None, workers: int = 1) -> Result:
-    """`sim.modelcheck.check` with the compact engine (see the module docstring)."""
+                  only: Sequence[str] | None = None, workers: int = 1,
+                  expander: Expander | None = None) -> Result:
+    """`sim.modelcheck.check` with the compact engine (see the module docstring).
+    ``expander``: this process's (a `TimedExpander` to time the phases)."""
     get_variant(protocol)  # a clear error for an unknown name, before any work
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
@@ -365,7 +417,10 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
         parents: dict[bytes, tuple[bytes, Action] | None] = {key: None}
         order: list[bytes] = [key]  # keys in discovery order (what workers are told)
         level: list[tuple[bytes, bytes]] = [(key, blob)]
-        expander = Expander(scope, protocol, reduce, only)
+        if expander is None:
+            expander = Expander(scope, protocol, reduce, only)
+        elif expander.scope != scope or expander.reduce != reduce:
+            raise ValueError("the expander was made for another scope or reduction")
         # Started at the first level wide enough to share (`_batches`): a
         # scope that never gets one forks nothing, whatever the core count.
         pool = _LazyPool(workers, scope, protocol, reduce, only)
@@ -469,4 +524,5 @@ def _inline(expander: Expander, level: list[tuple[bytes, bytes]],
         yield expander.expand(key, blob, parents)
 
 
-__all__ = ["Expanded", "Expander", "check_compact", "default_workers", "discard"]
+__all__ = ["Expanded", "Expander", "TimedExpander", "check_compact", "default_workers",
+           "discard"]

@@ -753,6 +753,21 @@ def test_bench_modelcheck_reports_both_engines_on_the_same_states() -> None:
     figures = bench_modelcheck("tiny", max_states=300, workers=[2])
     assert figures["same_counts"] and figures["states"] == 300
     assert figures["ratio_compact_w1_to_legacy"] > 0 and "ratio_compact_w2_to_legacy" in figures
+    # the phases of a transition: each took time, together not more than the run
+    shares = [figures[f"phase_{p}_share"] for p in ("copy", "step", "digest", "store")]
+    assert all(0 < x < 1 for x in shares) and sum(shares) <= 1
+    assert all(figures[f"phase_{p}_us_per_transition"] > 0 for p in ("copy", "step", "digest"))
+
+
+def test_a_timed_expander_explores_the_same_states() -> None:
+    from sim.mc_compact import TimedExpander, check_compact
+
+    timed = TimedExpander(TINY, "kvstate", True, None)
+    r = check_compact(TINY, "kvstate", out_dir=None, expander=timed)
+    assert _outcome(r) == _outcome(check(TINY, "kvstate", out_dir=None))
+    assert timed.transitions == r.transitions and timed.seconds["copy"] > 0
+    with pytest.raises(ValueError, match="another scope"):
+        check_compact(SCOPES["default"], "kvstate", out_dir=None, expander=timed)
 
 
 # ---------------------------------------------------------------------------
