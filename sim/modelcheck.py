@@ -324,7 +324,8 @@ class Scope:
             f"{' (lookup)' if r.lookup else ''}{' (async load)' if r.load_async else ''}"
             f"{' (P/D transfer)' if r.transferred else ''}"
             for r in self.requests)
-        return (f"{self.name}: {self.description}; {self.world_size} ranks, put_step "
+        ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+        return (f"{self.name}: {self.description}; {ranks}, put_step "
                 f"{self.put_step}, {self.num_blocks} blocks of {self.block_size} tokens, "
                 f"budget {self.token_budget} tokens/step; requests [{reqs}]; at most "
                 f"{self.faults} store fault(s), {self.evictions} eviction(s), "

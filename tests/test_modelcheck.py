@@ -162,6 +162,7 @@ def test_scope_description_names_its_bounds() -> None:
     text = SCOPES["default"].describe()
     assert "2 ranks" in text and "1 store fault" in text
     assert attrs.evolve(TINY, faults=0).describe() != TINY.describe()
+    assert "; 1 rank, put_step" in TINY.describe()
 
 
 # The scope in which the model checker finds each variant's own bug (measured
@@ -709,7 +710,7 @@ def test_modelcheck_uses_every_core_unless_told(monkeypatch, capsys, argv, expec
     monkeypatch.setattr(sim.modelcheck, "check", spy)
     assert main(["modelcheck", "--scope", "tiny", "--json", *argv]) == 0
     assert used == [expected]
-    capsys.readouterr()
+    assert json.loads(capsys.readouterr().out)["runs"][0]["workers"] == expected
 
 
 def test_workers_start_only_when_a_level_is_wide_enough_to_share(monkeypatch) -> None:
