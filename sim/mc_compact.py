@@ -472,6 +472,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                 depth += 1
         finally:
             pool.close()
+            result.workers = pool.workers if pool.pool is not None else 1
     result.states = len(parents)
     result.seconds = time.perf_counter() - started
     result.exhaustive = not level and result.violation is None

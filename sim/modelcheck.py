@@ -609,6 +609,9 @@ class Result:
     exhaustive: bool = False
     quiet_states: int = 0
     violation: Violation | None = None
+    # Processes that expanded states (the compact engine starts its workers
+    # only once a level is wide enough to share; the legacy loop is one).
+    workers: int = 1
 
     @property
     def ok(self) -> bool:

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                     "violation" if r.violation else "NOT exhaustive (budget)")
                 print(f"  {protocol}: {r.states} states, {r.transitions} transitions, depth "
                       f"{r.depth}, {r.seconds:.1f} s, {r.states_per_second:.0f} states/s "
-                      f"({workers} worker{'s' if workers > 1 else ''}); {verdict}")
+                      f"({r.workers} worker{'s' if r.workers > 1 else ''}); {verdict}")
                 if r.violation:
                     v = r.violation
                     print(f"  VIOLATION {v.invariant}: {v.message}")
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             "runs": [{"protocol": r.protocol, "scope": r.scope, "states": r.states,
                       "transitions": r.transitions, "depth": r.depth,
                       "seconds": round(r.seconds, 3), "exhaustive": r.exhaustive,
-                      "workers": workers,
+                      "workers": r.workers,
                       "states_per_second": round(r.states_per_second)} for r in runs],
             "never_fired": never_fired(rows)}))
     else:
