@@ -58,6 +58,7 @@ import attrs
 from kvstate.variants import get_variant
 from sim.modelcheck import (
     EXCLUDED_FIELDS,
+    NO_FIELDS,
     ORDINALS,
     Action,
     BlockId,
@@ -113,7 +114,7 @@ class FastCanonicalPickler(CanonicalPickler):
             return int, (n,)
         if handler == 2:  # excluded fields
             return tuple, (_field_state(obj, EXCLUDED_FIELDS[kind],
-                                        self.unordered.get(kind, _NONE)),)
+                                        self.unordered.get(kind, NO_FIELDS)),)
         if handler == 3:  # a constant's type
             tag = self.constants.get(id(obj))
             return NotImplemented if tag is None else (str, (tag,))
@@ -135,7 +136,6 @@ def _constant_types() -> tuple[type, ...]:
     return (Harness, ConnectorConfig, Variant, BlockPool, NextAnswers)
 
 
-_NONE: frozenset[str] = frozenset()
 _CONSTANT_TYPES = _constant_types()
 assert not set(_CONSTANT_TYPES) & (set(EXCLUDED_FIELDS) | set(ORDINALS) | {BlockId, RequestName})
 _DISPATCH: dict[type, int] = {
@@ -429,7 +429,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
         stopped = False
         try:
             while level and not stopped:
-                results = _batches(pool, workers, expander, level, order, parents)
+                results = _batches(pool, expander, level, order, parents)
                 following: list[tuple[bytes, bytes]] = []
                 for index, e in enumerate(results):
                     if budget is not None and time.perf_counter() - started > budget:
@@ -472,7 +472,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                 depth += 1
         finally:
             pool.close()
-            result.workers = pool.workers if pool.pool is not None else 1
+            result.workers = pool.started()
     result.states = len(parents)
     result.seconds = time.perf_counter() - started
     result.exhaustive = not level and result.violation is None
@@ -493,17 +493,22 @@ class _LazyPool:
             self.pool = _Pool(self.workers, *self.args)
         return self.pool
 
+    def started(self) -> int:
+        """Processes that expanded states: this one, plus the workers if started."""
+        return self.workers if self.pool is not None else 1
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
 
 
-def _batches(pool: _LazyPool, workers: int, expander: Expander,
+def _batches(pool: _LazyPool, expander: Expander,
              level: list[tuple[bytes, bytes]], order: list[bytes],
              parents: dict[bytes, tuple[bytes, Action] | None]) -> Any:
     """A level's results in frontier order, computed a batch at a time (a
     budget is then checked every `BATCH` states a worker, not once a level,
     and each batch's workers know the keys merged from the batches before)."""
+    workers = pool.workers
     if workers < 2 or len(level) < 2 * workers:
         yield from _inline(expander, level, parents)
         return

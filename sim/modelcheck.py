@@ -190,21 +190,22 @@ UNORDERED_FIELDS: dict[type, frozenset[str]] = {
     Monitor: frozenset({"frontier"}),
 }
 assert set(UNORDERED_FIELDS) <= set(EXCLUDED_FIELDS)
+NO_FIELDS: frozenset[str] = frozenset()
 
 
-def _field_state(obj: Any, excluded: frozenset[str], unordered: frozenset[str] = frozenset()
+def _field_state(obj: Any, excluded: frozenset[str], unordered: frozenset[str] = NO_FIELDS
                  ) -> tuple[tuple[str, Any], ...]:
     """The object's fields but ``excluded``, sets sorted, the dicts named
     in ``unordered`` as their items sorted by key."""
     names = getattr(obj, "__dict__", None)
-    if names is not None:
-        items = [(k, v) for k, v in names.items() if k not in excluded]
-    else:
-        items = [(k, getattr(obj, k)) for k in type(obj).__slots__ if k not in excluded]
-    if unordered:
+    if unordered:  # two classes; the rest keep the one-pass path below
+        items = names.items() if names is not None else (
+            (k, getattr(obj, k)) for k in type(obj).__slots__)
         return tuple((k, _sorted((key, _ordered(value)) for key, value in v.items())
-                      if k in unordered else _ordered(v)) for k, v in items)
-    return tuple((k, _ordered(v)) for k, v in items)
+                      if k in unordered else _ordered(v)) for k, v in items if k not in excluded)
+    if names is not None:
+        return tuple((k, _ordered(v)) for k, v in names.items() if k not in excluded)
+    return tuple((k, _ordered(getattr(obj, k))) for k in type(obj).__slots__ if k not in excluded)
 
 
 def _ordered(value: Any) -> Any:
@@ -270,7 +271,7 @@ class CanonicalPickler(pickle.Pickler):
             return str, (tag,)
         excluded = EXCLUDED_FIELDS.get(kind)
         if excluded is not None:
-            return tuple, (_field_state(obj, excluded, self.unordered.get(kind, frozenset())),)
+            return tuple, (_field_state(obj, excluded, self.unordered.get(kind, NO_FIELDS)),)
         return NotImplemented
 
     def order(self) -> tuple[tuple[int, ...], ...]:
