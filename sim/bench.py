@@ -501,7 +501,8 @@ TOOL_SCOPES = ("tiny", "load", "pd", "mla", "twins", "decode", "default", "churn
 
 def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0,
                 mc_budget: float = 60.0, out_dir: str = ".",
-                progress: Any = None, workers: int = 1) -> dict[str, Any]:
+                progress: Any = None, workers: int = 1, cluster: Any = None
+                ) -> dict[str, Any]:
     """Per variant and tool: whether the tool finds the variant's *own* bug
     (one of its characteristic invariants, `kvstate.invariants.broken_by`: every E2-based mutant
     also has e2's bugs, which would otherwise be found first), seconds to find,
@@ -515,15 +516,26 @@ def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0
     order, with the same findings and lengths as one process gives. The
     seconds are then measured beside the other workers: on a machine with
     fewer free cores than workers they grow, which is why one worker is the
-    default for a benchmark."""
+    default for a benchmark.
+
+    ``cluster`` (a `sim.cluster.Cluster`): each row is a Ray task there
+    instead, folded in variant order as well; its counterexample traces are
+    written where the task ran and sent back, so they land in ``out_dir``
+    here all the same (`_traced_tool_row`)."""
     from kvstate.variants import VARIANTS
 
     names = list(protocols or VARIANTS)
     job = functools.partial(_tool_row, sim_budget=sim_budget, mc_budget=mc_budget,
                             out_dir=out_dir)
     out: dict[str, Any] = {}
-    if workers <= 1 or len(names) < 2:
-        rows: Any = map(job, names)
+    rows: Any
+    if cluster is not None:
+        remote = cluster.ray.remote(_traced_tool_row)
+        handles = [remote.remote(name, sim_budget, mc_budget) for name in names]
+        rows = (_land_traces(cluster.get(h), out_dir) for h in handles)
+        pool = None
+    elif workers <= 1 or len(names) < 2:
+        rows = map(job, names)
         pool = None
     else:
         import multiprocessing
@@ -542,6 +554,38 @@ def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0
             pool.terminate()
             pool.join()
     return out
+
+
+def _traced_tool_row(name: str, sim_budget: float, mc_budget: float
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+    """`_tool_row` on a cluster node: its traces go to a scratch directory
+    there and come back as text (file name -> trace)."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvstate-tools-") as scratch:
+        row = _tool_row(name, sim_budget, mc_budget, scratch)
+        traces = {}
+        for file in sorted(os.listdir(scratch)):
+            with open(os.path.join(scratch, file)) as f:
+                traces[file] = f.read()
+    return row, traces
+
+
+def _land_traces(result: tuple[dict[str, Any], dict[str, str]], out_dir: str
+                 ) -> dict[str, Any]:
+    """Write a remote row's traces into ``out_dir`` and point the row at them."""
+    import os
+
+    row, traces = result
+    os.makedirs(out_dir, exist_ok=True)
+    for file, text in traces.items():
+        with open(os.path.join(out_dir, file), "w") as f:
+            f.write(text)
+    found = row["modelcheck"]
+    if found.get("trace"):
+        found["trace"] = os.path.join(out_dir, os.path.basename(found["trace"]))
+    return row
 
 
 def _tool_row(name: str, sim_budget: float, mc_budget: float, out_dir: str) -> dict[str, Any]:

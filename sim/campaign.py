@@ -130,36 +130,27 @@ class _Processes:
 
 
 class _Ray:
-    """Seeds as Ray tasks on the cluster at ``address`` (``local`` starts a
-    local instance). Ray is an optional extra: ``pip install 'kvstate[ray]'``."""
+    """Seeds as Ray tasks on the cluster at ``address`` (`sim.cluster`)."""
 
     def __init__(self, address: str) -> None:
-        try:
-            import ray
-        except ImportError as e:  # the CLI turns this into exit 2
-            raise RuntimeError("--ray needs Ray: pip install 'ray>=2.9' "
-                               "(or the project's ray extra)") from e
-        self.ray = ray
-        self.started = not ray.is_initialized()
-        if self.started:
-            ray.init(address=None if address == "local" else address,
-                     include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-        self.remote = ray.remote(run_seed)
+        from sim.cluster import Cluster
+
+        self.cluster = Cluster(address)
+        self.remote = self.cluster.ray.remote(run_seed)
 
     def submit(self, *args: Any) -> Any:
         return self.remote.remote(*args)
 
     def result(self, handle: Any) -> SeedOutcome:
-        outcome: SeedOutcome = self.ray.get(handle)
+        outcome: SeedOutcome = self.cluster.get(handle)
         return outcome
 
     def close(self) -> None:
-        if self.started:
-            self.ray.shutdown()
+        self.cluster.close()
 
     @property
     def workers(self) -> int:
-        return max(1, int(self.ray.cluster_resources().get("CPU", 1)))
+        return self.cluster.cpus
 
 
 def campaign(

@@ -51,7 +51,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -289,27 +289,54 @@ class _Collector:
 # Workers: each holds an Expander and the keys it has been told about.
 
 
+class SliceWorker:
+    """What a worker keeps from one level to the next: its `Expander` and
+    every key it has been told (the keys merged before each call). A local
+    worker process (`_worker`) and a Ray actor (`_RayPool`) are this object
+    behind a pipe or an actor handle. A crash in the core comes back as a
+    `WorkerError` with the worker's traceback, for the parent to raise (a
+    crash is a finding too)."""
+
+    def __init__(self, scope: Scope, protocol: str, reduce: bool,
+                 only: Sequence[str] | None) -> None:
+        self.expander = Expander(scope, protocol, reduce, only)
+        self.seen: set[bytes] = set()
+
+    def expand(self, known: Sequence[bytes], chunk: list[tuple[bytes, bytes]]
+               ) -> list[Expanded] | WorkerError:
+        self.seen.update(known)
+        try:
+            return expand_slice(self.expander, chunk, self.seen)
+        except Exception:
+            import traceback
+
+            return WorkerError(traceback.format_exc())
+
+
 def _worker(conn: Any, scope: Scope, protocol: str, reduce: bool,
             only: Sequence[str] | None) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (it ends us)
     gc.disable()
-    expander = Expander(scope, protocol, reduce, only)
-    seen: set[bytes] = set()
+    worker = SliceWorker(scope, protocol, reduce, only)
     while True:
         message = conn.recv()
         if message is None:
             break
-        known, chunk = message
-        seen.update(known)
-        try:
-            conn.send(expand_slice(expander, chunk, seen))
-        except Exception:  # the parent raises it: a crash in the core is a finding too
-            import traceback
-
-            conn.send(WorkerError(traceback.format_exc()))
+        conn.send(worker.expand(*message))
     conn.close()
+
+
+class _ActorWorker(SliceWorker):
+    """A `SliceWorker` as a Ray actor: a process of its own, so the cyclic
+    collector is off there as in a local worker (`discard` cuts the cycles;
+    `Expander` still collects every `COLLECT_EVERY` transitions)."""
+
+    def __init__(self, scope: Scope, protocol: str, reduce: bool,
+                 only: Sequence[str] | None) -> None:
+        gc.disable()
+        super().__init__(scope, protocol, reduce, only)
 
 
 class WorkerError(RuntimeError):
@@ -394,6 +421,50 @@ class _Pool:
                 p.terminate()
 
 
+class _RayPool:
+    """A level's slices as calls on Ray actors, one `_ActorWorker` per
+    worker, folded in frontier order like `_Pool`'s (so the same states,
+    counts and counterexamples as one process). Unlike `_Pool`, this process
+    expands no slice itself: on a cluster the driver's machine may be the
+    smallest, and it has the merge to do. The keys merged since the last
+    call go into the object store once, for every actor to read."""
+
+    def __init__(self, cluster: Any, workers: int, scope: Scope, protocol: str, reduce: bool,
+                 only: Sequence[str] | None) -> None:
+        self.cluster = cluster
+        # A CPU an actor, or a share of one when asked for more actors than
+        # the cluster has CPUs (whole CPUs would leave the rest unscheduled,
+        # and a level would wait for them forever).
+        share = min(1.0, cluster.cpus / workers)
+        remote = cluster.ray.remote(num_cpus=share)(_ActorWorker)
+        self.actors = [remote.remote(scope, protocol, reduce, list(only) if only else None)
+                       for _ in range(workers)]
+        self.told = 0
+
+    def expand(self, level: list[tuple[bytes, bytes]], order: list[bytes], expander: Expander,
+               parents: Collection[bytes]) -> list[Expanded]:
+        known = self.cluster.ray.put(order[self.told:])
+        self.told = len(order)
+        size = -(-len(level) // len(self.actors))
+        slices = [level[i * size:(i + 1) * size] for i in range(len(self.actors))]
+        # Every actor is called, an empty slice too: each must learn the keys.
+        handles = [a.expand.remote(known, part) for a, part in zip(self.actors, slices)]
+        out: list[Expanded] = []
+        stopped = False
+        for handle, part in zip(handles, slices):
+            rest = self.cluster.get(handle)
+            if isinstance(rest, WorkerError):
+                raise rest
+            if not stopped:
+                out.extend(rest)
+                stopped = len(rest) < len(part)  # a violation: what follows is moot
+        return out
+
+    def close(self) -> None:
+        for actor in self.actors:
+            self.cluster.ray.kill(actor)
+
+
 def default_workers() -> int:
     return os.cpu_count() or 1
 
@@ -402,9 +473,11 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                   max_states: int | None = None, reduce: bool = True,
                   out_dir: str | None = ".", progress: Callable[[Result], None] | None = None,
                   only: Sequence[str] | None = None, workers: int = 1,
-                  expander: Expander | None = None) -> Result:
+                  expander: Expander | None = None, cluster: Any = None) -> Result:
     """`sim.modelcheck.check` with the compact engine (see the module docstring).
-    ``expander``: this process's (a `TimedExpander` to time the phases)."""
+    ``expander``: this process's (a `TimedExpander` to time the phases).
+    ``cluster``: a `sim.cluster.Cluster`; the ``workers`` are then Ray actors
+    on it instead of local processes."""
     get_variant(protocol)  # a clear error for an unknown name, before any work
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
@@ -423,7 +496,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
             raise ValueError("the expander was made for another scope or reduction")
         # Started at the first level wide enough to share (`_batches`): a
         # scope that never gets one forks nothing, whatever the core count.
-        pool = _LazyPool(workers, scope, protocol, reduce, only)
+        pool = _LazyPool(workers, scope, protocol, reduce, only, cluster)
         started = last_report = time.perf_counter()
         depth = 0
         stopped = False
@@ -480,22 +553,30 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
 
 
 class _LazyPool:
-    """A `_Pool` started when first needed, closed only if it was."""
+    """A `_Pool` (or, given a cluster, a `_RayPool`) started when first
+    needed, closed only if it was."""
 
     def __init__(self, workers: int, scope: Scope, protocol: str, reduce: bool,
-                 only: Sequence[str] | None) -> None:
+                 only: Sequence[str] | None, cluster: Any = None) -> None:
         self.workers = workers
         self.args = (scope, protocol, reduce, only)
-        self.pool: _Pool | None = None
+        self.cluster = cluster
+        self.pool: _Pool | _RayPool | None = None
 
-    def get(self) -> _Pool:
+    def get(self) -> _Pool | _RayPool:
         if self.pool is None:
-            self.pool = _Pool(self.workers, *self.args)
+            if self.cluster is not None:
+                self.pool = _RayPool(self.cluster, self.workers, *self.args)
+            else:
+                self.pool = _Pool(self.workers, *self.args)
         return self.pool
 
     def started(self) -> int:
-        """Processes that expanded states: this one, plus the workers if started."""
-        return self.workers if self.pool is not None else 1
+        """Processes that expanded states: this one, plus the workers if
+        started (on a cluster, the actors: this one only merges)."""
+        if self.pool is None:
+            return 1
+        return self.workers if self.cluster is None else len(cast(_RayPool, self.pool).actors)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -887,3 +887,114 @@ def test_an_exception_in_a_worker_reaches_the_parent(monkeypatch) -> None:
     monkeypatch.setattr(mc, "apply", crashing)  # workers are forked: they inherit it
     with pytest.raises(mc.WorkerError, match="the core crashed in a worker"):
         check(TINY, "kvstate", workers=2, out_dir=None)
+
+
+# ---------------------------------------------------------------------------
+# The same answer in any process. A spawned worker (the default start method
+# on macOS and Windows) and a Ray actor get the scope as a copy; a request
+# name entered the state as the copy's object, and the digest, which sees
+# which equal strings are one object, then counted other numbers of states
+# there (default: 2,486 against 2,550).
+
+# The scopes a test run can afford twice in one process (seconds each).
+_AFFORDABLE = ["tiny", "default", "churn", "twins", "mla", "load", "pd", "hybrid", "pd-decode"]
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if n in ("tiny", "default") else pytest.mark.slow)
+    for n in _AFFORDABLE])
+def test_a_copy_of_the_scope_explores_the_same_states(name: str) -> None:
+    scope = SCOPES[name]
+    copied = pickle.loads(pickle.dumps(scope))
+    assert copied.requests[0].name == scope.requests[0].name
+    assert _outcome(check(copied, "kvstate", out_dir=None)) == _outcome(
+        check(scope, "kvstate", out_dir=None))
+
+
+@pytest.mark.slow
+def test_spawned_workers_count_what_one_process_counts(monkeypatch) -> None:
+    """Where fork is missing, `_Pool` spawns its workers: a fresh
+    interpreter that imports everything again and unpickles the scope."""
+    import sim.mc_compact
+
+    monkeypatch.setattr(sim.mc_compact.multiprocessing, "get_all_start_methods",
+                        lambda: ["spawn"])
+    spawned = check(SCOPES["default"], "kvstate", out_dir=None, workers=2)
+    assert spawned.workers == 2
+    assert _outcome(spawned) == _outcome(check(SCOPES["default"], "kvstate", out_dir=None))
+
+
+# ---------------------------------------------------------------------------
+# The model checker and the tool table on a Ray cluster (a local instance).
+
+
+def test_modelcheck_and_bench_tools_ray_without_ray_are_usage_errors(capsys,
+                                                                      monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    assert main(["modelcheck", "--scope", "tiny", "--ray", "local"]) == 2
+    assert "pip install" in capsys.readouterr().err
+    assert main(["bench", "tools", "--tool-protocol", "e1", "--ray", "local"]) == 2
+    assert "pip install" in capsys.readouterr().err
+    assert main(["modelcheck", "--scope", "tiny", "--engine", "legacy", "--ray", "x"]) == 2
+    assert "--ray needs the compact engine" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="compact engine"):
+        check(TINY, "kvstate", engine="legacy", cluster=object())
+
+
+@pytest.mark.slow
+def test_modelcheck_on_a_local_ray_instance_matches_one_process(tmp_path) -> None:
+    """Frontier slices as calls on Ray actors: the same states, transitions,
+    verdicts and shortest counterexamples as one process, for an actor per
+    CPU and for more actors than the cluster has CPUs."""
+    pytest.importorskip("ray")
+    from sim.cluster import Cluster
+
+    alone = check(SCOPES["default"], "kvstate", out_dir=None)
+    buggy = check(SCOPES["twins"], "save-on-loading-step", out_dir=None)
+    assert alone.exhaustive and buggy.violation is not None
+    with Cluster("local") as cluster:
+        for actors in (cluster.cpus, cluster.cpus + 1):
+            r = check(SCOPES["default"], "kvstate", out_dir=None, workers=actors,
+                      cluster=cluster)
+            assert r.workers == actors and _outcome(r) == _outcome(alone), actors
+        found = check(SCOPES["twins"], "save-on-loading-step", out_dir=str(tmp_path),
+                      workers=2, cluster=cluster)
+    assert _outcome(found) == _outcome(buggy)
+    assert found.violation.trace is not None and replay_trace(found.violation.trace).ok
+
+
+@pytest.mark.slow
+def test_modelcheck_command_on_a_local_ray_instance(capsys) -> None:
+    pytest.importorskip("ray")
+    assert main(["modelcheck", "--scope", "default", "--ray", "local", "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    alone = check(SCOPES["default"], "kvstate", out_dir=None)
+    assert (run["states"], run["transitions"], run["exhaustive"]) == (
+        alone.states, alone.transitions, True)
+    assert run["workers"] >= 1
+
+
+@pytest.mark.slow
+def test_bench_tools_on_a_local_ray_instance_gives_the_same_rows(tmp_path) -> None:
+    """A row per Ray task, in variant order; the model checker's trace is
+    written where the task ran and lands in ``out_dir`` here."""
+    pytest.importorskip("ray")
+    from sim.bench import bench_tools
+    from sim.cluster import Cluster
+
+    names = ["e1", "e0"]
+    here = tmp_path / "here"
+    there = tmp_path / "ray"
+    one = bench_tools(names, sim_budget=5, mc_budget=10, out_dir=str(here))
+    with Cluster("local") as cluster:
+        ray = bench_tools(names, sim_budget=5, mc_budget=10, out_dir=str(there),
+                          cluster=cluster)
+    assert list(ray) == names
+    for name in names:
+        for tool in ("sim", "hypothesis", "modelcheck"):
+            assert (ray[name][tool]["found"], ray[name][tool].get("length")) == (
+                one[name][tool]["found"], one[name][tool].get("length")), (name, tool)
+        trace = ray[name]["modelcheck"]["trace"]
+        assert trace.startswith(str(there)) and replay_trace(trace).ok

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from sim.commands.errors import UsageError
-from sim.commands.options import positive_int, protocol_name
+from sim.commands.options import positive_int, protocol_name, ray_cluster
 from sim.commands.output import envelope, table
 
 
@@ -87,9 +87,10 @@ def run(args: argparse.Namespace) -> int:
             print("bug-finding power: each variant against the simulator campaign, the "
                   "Hypothesis CI profile and the model checker, checking the variant's own "
                   "invariants (first violation each)")
-        tools = bench_tools(args.tool_protocol, sim_budget=5 if args.quick else 30,
-                            mc_budget=10 if args.quick else 60, out_dir=args.out_dir,
-                            progress=show, workers=args.workers)
+        with ray_cluster(args.ray) as cluster:
+            tools = bench_tools(args.tool_protocol, sim_budget=5 if args.quick else 30,
+                                mc_budget=10 if args.quick else 60, out_dir=args.out_dir,
+                                progress=show, workers=args.workers, cluster=cluster)
         report["tools"] = tools
         if not args.json:
             print("\n" + format_tools(tools))
@@ -141,6 +142,9 @@ def register(sub: Any) -> None:
                        help="for 'tools': compute the variants' rows in N processes (same "
                        "findings and lengths; the seconds then include the other workers' "
                        "load, so 1 is the default)")
+    parser.add_argument("--ray", metavar="ADDRESS", default=None,
+                       help="for 'tools': compute the rows as Ray tasks on a cluster instead "
+                       "('local' starts one here; needs pip install 'kvstate[ray]')")
     parser.add_argument("--out-dir", default=".",
                        help="for 'tools': where counterexample traces go")
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")

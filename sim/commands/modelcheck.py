@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from sim.commands.errors import UsageError
-from sim.commands.options import add_protocols, positive_float, positive_int
+from sim.commands.options import add_protocols, positive_float, positive_int, ray_cluster
 from sim.commands.output import envelope
 from sim.commands.progress import Bar, add_progress_option, progress_for
 
@@ -35,8 +35,7 @@ def _on_report(args: argparse.Namespace, bar: Bar) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
-    from sim.modelcheck import SCOPES, check, format_action
+    from sim.modelcheck import SCOPES
 
     names = list(SCOPES) if args.scope == "all" else [args.scope]
     if any(n not in SCOPES for n in names):
@@ -45,12 +44,25 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "legacy" and args.workers not in (None, 1):
         raise UsageError(f"--workers {args.workers} needs the compact engine; the legacy "
                          "loop runs in one process")
-    if args.workers is not None:
-        workers = args.workers
-    else:
-        from sim.mc_compact import default_workers
+    if args.ray is not None and args.engine == "legacy":
+        raise UsageError("--ray needs the compact engine; the legacy loop runs in one process")
+    with ray_cluster(args.ray) as cluster:
+        if args.workers is not None:
+            workers = args.workers
+        elif cluster is not None:
+            workers = cluster.cpus  # an actor per CPU of the cluster
+        else:
+            from sim.mc_compact import default_workers
 
-        workers = default_workers() if args.engine == "compact" else 1
+            workers = default_workers() if args.engine == "compact" else 1
+        return _check_all(args, names, protocols, workers, cluster)
+
+
+def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str], workers: int,
+               cluster: Any) -> int:
+    from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
+    from sim.modelcheck import SCOPES, check, format_action
+
     runs = []
     cov = Coverage()
     for protocol in protocols:
@@ -63,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                                               total=total, unit=unit) as bar:
                 r = check(scope, protocol, budget=args.budget, max_states=args.max_states,
                           reduce=not args.no_reduction, out_dir=args.out_dir,
-                          engine=args.engine, workers=workers,
+                          engine=args.engine, workers=workers, cluster=cluster,
                           progress=_on_report(args, bar) if bar.active else None)
             runs.append(r)
             if not args.json:
@@ -132,6 +144,11 @@ def register(sub: Any) -> None:
                     help="processes expanding each breadth-first level (compact engine; "
                     "default: every core; same states, counts and counterexamples for any "
                     "number)")
+    parser.add_argument("--ray", metavar="ADDRESS", default=None,
+                    help="expand each level on a Ray cluster instead, an actor per CPU "
+                    "(or --workers N actors): 'local' starts one here, else a cluster's "
+                    "address; same answer as one process (needs pip install "
+                    "'kvstate[ray]', and kvstate on the cluster's nodes)")
     parser.add_argument("--json", action="store_true")
     add_progress_option(parser)
     parser.set_defaults(func=run)

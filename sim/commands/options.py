@@ -147,3 +147,20 @@ def add_protocols(parser: argparse.ArgumentParser, *, budget: bool = True) -> No
     if budget:
         parser.add_argument("--budget", type=positive_float, default=60.0,
                             help="seconds per protocol")
+
+
+def ray_cluster(address: str | None) -> Any:
+    """The ``--ray ADDRESS`` connection (`sim.cluster.Cluster`, one for the
+    whole command), or a context holding ``None`` without the option. Ray
+    missing, or no cluster at the address, is a usage error (exit 2) that
+    says which."""
+    import contextlib
+
+    if address is None:
+        return contextlib.nullcontext()
+    from sim.cluster import Cluster
+
+    try:
+        return Cluster(address)
+    except RuntimeError as e:
+        raise UsageError(str(e)) from e
