@@ -8,9 +8,10 @@ interleaving, and the machine writes it as a replayable trace.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -90,12 +91,9 @@ def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 
     """Rounds of ``examples`` programs until ``budget`` seconds are spent or an
     invariant breaks. ``derandomize`` runs one fixed round (the CI profile).
     ``on_example`` is called after every program (at its teardown)."""
-    import os
-
     from hypothesis import HealthCheck, settings
     from hypothesis.errors import Flaky
 
-    os.environ["KVSTATE_FUZZ_DIR"] = out_dir
     machine = machine_for(protocol, profile, only)
     started = time.perf_counter()
     rounds = 0
@@ -103,26 +101,62 @@ def fuzz(protocol: str, budget: float = 60.0, examples: int = 200, steps: int = 
         machine = _reporting(machine, protocol, on_example, started, lambda: rounds)
     from hypothesis.stateful import run_state_machine_as_test
 
-    while time.perf_counter() - started < budget and not (derandomize and rounds):
-        rounds += 1
-        try:
-            # Hypothesis draws its own randomness here (a fuzzer, not a replay);
-            # what it finds is reproducible through the trace it writes.
-            run_state_machine_as_test(machine, settings=settings(
-                max_examples=examples, stateful_step_count=steps, deadline=None,
-                derandomize=derandomize, database=None, print_blob=False,
-                suppress_health_check=list(HealthCheck)))
-        except (AssertionError, Flaky) as exc:
-            text = str(exc)
-            found = re.search(r"(\b[SK]\d+) after (\d+) rules", text)
-            trace = re.search(r"trace: (\S+)", text)
-            return FuzzResult(protocol, rounds, round(time.perf_counter() - started, 3),
-                              found.group(1) if found else "unknown",
-                              int(found.group(2)) if found else None,
-                              trace.group(1) if trace else None, text.splitlines()[0],
-                              profile)
+    # The machine writes a trace for every failing program, and shrinking
+    # runs dozens (~90 for one variant's CI profile): they go to a scratch
+    # directory, and only the shrunk one Hypothesis reports is kept.
+    with _scratch_traces() as scratch:
+        while time.perf_counter() - started < budget and not (derandomize and rounds):
+            rounds += 1
+            try:
+                # Hypothesis draws its own randomness here (a fuzzer, not a
+                # replay); what it finds is reproducible through its trace.
+                run_state_machine_as_test(machine, settings=settings(
+                    max_examples=examples, stateful_step_count=steps, deadline=None,
+                    derandomize=derandomize, database=None, print_blob=False,
+                    suppress_health_check=list(HealthCheck)))
+            except (AssertionError, Flaky) as exc:
+                text = str(exc)
+                found = re.search(r"(\b[SK]\d+) after (\d+) rules", text)
+                trace = re.search(r"trace: (\S+)", text)
+                return FuzzResult(protocol, rounds, round(time.perf_counter() - started, 3),
+                                  found.group(1) if found else "unknown",
+                                  int(found.group(2)) if found else None,
+                                  _keep(trace.group(1), scratch, out_dir) if trace else None,
+                                  text.splitlines()[0], profile)
     return FuzzResult(protocol, rounds, round(time.perf_counter() - started, 3), None, None,
                       None, None, profile)
+
+
+@contextlib.contextmanager
+def _scratch_traces() -> Iterator[str]:
+    """A scratch directory the machine writes its traces to
+    (``KVSTATE_FUZZ_DIR``, as it was before afterwards), removed at the end."""
+    import os
+    import tempfile
+
+    before = os.environ.get("KVSTATE_FUZZ_DIR")
+    with tempfile.TemporaryDirectory(prefix="kvstate-fuzz-") as scratch:
+        os.environ["KVSTATE_FUZZ_DIR"] = scratch
+        try:
+            yield scratch
+        finally:
+            if before is None:
+                os.environ.pop("KVSTATE_FUZZ_DIR", None)
+            else:
+                os.environ["KVSTATE_FUZZ_DIR"] = before
+
+
+def _keep(path: str, scratch: str, out_dir: str) -> str:
+    """Move the reported trace from the scratch directory into ``out_dir``."""
+    import os
+    import shutil
+
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(scratch):
+        return path  # not one of ours (a machine subclass writing elsewhere)
+    os.makedirs(out_dir, exist_ok=True)
+    kept = os.path.join(out_dir, os.path.basename(path))
+    shutil.move(path, kept)
+    return kept
 
 
 def _reporting(machine: Any, protocol: str, on_example: Callable[[FuzzProgress], None],

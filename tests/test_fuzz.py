@@ -41,6 +41,23 @@ def test_fuzzer_finds_the_variant_and_writes_a_replayable_trace(variant, tmp_pat
     assert replay_trace(traces[-1]).ok  # the written counterexample replays exactly
 
 
+def test_a_fuzz_run_leaves_one_trace_the_shrunk_one(tmp_path, monkeypatch) -> None:
+    """Shrinking runs many failing programs, and the machine writes a trace
+    for each (dozens); `sim.fuzz.fuzz` keeps only the one it reports, and
+    leaves ``KVSTATE_FUZZ_DIR`` as it found it."""
+    import os
+
+    from sim.fuzz import fuzz
+
+    monkeypatch.delenv("KVSTATE_FUZZ_DIR", raising=False)
+    r = fuzz("e1", budget=float("inf"), examples=CI_EXAMPLES, steps=CI_STEPS,
+             out_dir=str(tmp_path), derandomize=True)
+    assert not r.ok and r.trace is not None
+    assert sorted(tmp_path.iterdir()) == [tmp_path / os.path.basename(r.trace)]
+    assert replay_trace(r.trace).ok
+    assert "KVSTATE_FUZZ_DIR" not in os.environ
+
+
 @pytest.mark.slow
 def test_fuzz_command_reports_runs_and_coverage(tmp_path, capsys) -> None:
     import json
