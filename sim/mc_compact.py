@@ -20,7 +20,12 @@ state is or how a successor is computed:
   leaves a cycle uncut, so memory stays bounded).
 * **Level-synchronous breadth-first search.** The frontier is expanded one
   depth at a time; a level's states can be expanded by ``workers`` processes
-  (`multiprocessing`, fork where available), each a contiguous slice. The
+  (`multiprocessing`, fork where available) or Ray actors on a cluster
+  (`_RayPool`), each a contiguous slice. A worker computes the digests the
+  parent would: nothing in a state may depend on the process that made it
+  (request names enter interned, see `sim.modelcheck.apply`; a test
+  explores pickled copies of the scopes, as a spawned worker or an actor
+  gets them). The
   parent merges their results *in frontier order*, exactly as the legacy FIFO
   loop pops them, so the visited table fills in the same order: same state
   counts, same first violation, same shortest counterexample, whatever the
