@@ -253,10 +253,13 @@ def build_configs(options: SimOptions) -> list[ConnectorConfig]:
 
 def simulate(options: SimOptions, trace: IO[str] | None = None,
              stop_at_first: bool = True, hash_trace: bool = False,
-             progress: Callable[[int, int], None] | None = None) -> SimResult:
+             progress: Callable[[int, int], None] | None = None,
+             monitor: type[Monitor] = Monitor) -> SimResult:
     """Run once. ``trace`` receives the JSON Lines trace; ``hash_trace``
     computes its sha256 without writing it (for the determinism check);
-    ``progress(arrived, total)`` is called as arrivals come in."""
+    ``progress(arrived, total)`` is called as arrivals come in. ``monitor``:
+    the class each engine's invariant monitor is made of (`kvstate bench
+    sim` passes one that checks nothing, to weigh the checks)."""
     started = wallclock.perf_counter()
     kernel = Kernel(options.seed)
     faults = Faults(kernel.rng, options.faults)
@@ -280,10 +283,10 @@ def simulate(options: SimOptions, trace: IO[str] | None = None,
     consumer = RadixConsumer([i for i, g in enumerate(configs[0].groups)
                               if g.kind is GroupKind.FULL])
     for index, config in enumerate(configs):
-        monitor = Monitor(config, store_view=shared_store_view)
-        monitors.append(monitor)
+        checks = monitor(config, store_view=shared_store_view)
+        monitors.append(checks)
         harness = Harness(config, variant, num_blocks=options.num_blocks, store=store,
-                          token_budget=options.token_budget, monitor=monitor, record=False,
+                          token_budget=options.token_budget, monitor=checks, record=False,
                           keep_finished=False, auto_preempt=True,
                           sink=recorder.sink(index, consumer if options.events else None),
                           clock=lambda: kernel.now)

@@ -77,7 +77,23 @@ def test_bench_quick_reports_both_protocols_and_ratios(capsys) -> None:
     assert any("e2/kvstate" in line for line in core["ratios"])
     assert out["sim"]["sim_observations"] > 0 and out["sim"]["check_lines"] > 0
     assert 0 < out["sim"]["ratio_observations_to_bare_heapq"] < 1
+    assert 0 < out["sim"]["ratio_unchecked_observations_to_bare_heapq"] < 1
+    assert out["sim"]["checks_share_of_sim_seconds"] < 1
     assert out["memory"]["1000"]["ok"] and out["memory"]["4000"]["ok"]
+
+
+def test_the_sim_bench_unchecked_row_runs_the_same_simulation_without_checks() -> None:
+    """`kvstate bench sim` weighs the checks by running the same seed with a
+    monitor that checks nothing: the same observations, and a buggy
+    variant's violation goes unseen there."""
+    from sim.bench import _Unchecked
+    from sim.runner import SimOptions, simulate
+
+    options = SimOptions(requests=40, protocol="e1")
+    checked = simulate(options, stop_at_first=False)
+    unchecked = simulate(options, stop_at_first=False, monitor=_Unchecked)
+    assert checked.findings and not unchecked.findings
+    assert unchecked.figures["observations"] == checked.figures["observations"]
 
 
 def test_console_entry_point_runs_as_a_module() -> None:
