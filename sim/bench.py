@@ -621,8 +621,9 @@ def _tool_row(name: str, sim_budget: float, mc_budget: float, out_dir: str) -> d
     c = campaign(name, budget=sim_budget, stop_when=only or ())
     hits = [i for i in (only or c.first_found) if i in c.first_found]
     if hits:
-        # Invariants one seed broke share its fold time (up to rounding): the
-        # tie goes to the earlier observation, then the name, never to chance.
+        # Invariants one seed broke share its fold time (the campaign reads the
+        # clock once a seed): the tie goes to the earlier observation, then the
+        # name, never to chance.
         inv = min(hits, key=lambda k: (c.first_found[k], c.first_index.get(k, 0), k))
         row["sim"] = {"found": inv, "seconds": c.first_found[inv],
                       "length": c.first_index[inv], "unit": "observations"}

@@ -816,6 +816,21 @@ def test_a_parallel_campaign_stops_at_the_same_seed_as_a_sequential_one() -> Non
     assert one.runs == 1
 
 
+def test_the_invariants_one_seed_broke_share_one_fold_time() -> None:
+    """`kvstate bench tools` ranks a seed's findings by time, then by
+    observation: if the clock ticked between two invariants of one seed, the
+    later-named one looked found later, and the row (e1: S2 at observation 21
+    or S1 at 25,347) depended on the machine's speed."""
+    import itertools
+
+    from sim.campaign import campaign
+
+    ticks = itertools.count()  # a clock that moves 10 ms every time it is read
+    result = campaign("e1", seeds=1, base=_small(), clock=lambda: next(ticks) * 0.01)
+    assert len(result.first_found) >= 2
+    assert len(set(result.first_found.values())) == 1
+
+
 def test_a_campaign_counts_the_observations_of_the_seeds_it_folded() -> None:
     """What a campaign costs is its runs' length: the sum over its seeds."""
     from sim.campaign import campaign, seed_options
