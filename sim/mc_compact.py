@@ -56,7 +56,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, cast
+from typing import Any
 
 import attrs
 
@@ -397,21 +397,11 @@ class _Pool:
                parents: Collection[bytes]) -> list[Expanded]:
         known = order[self.told:]
         self.told = len(order)
-        n = len(self.conns) + 1
-        size = -(-len(level) // n)
-        slices = [level[i * size:(i + 1) * size] for i in range(n)]
+        slices = _slices(level, len(self.conns) + 1)
         for conn, part in zip(self.conns, slices[1:]):
             conn.send((known, part))
-        out = expand_slice(expander, slices[0], _Overlay(parents))
-        stopped = len(out) < len(slices[0])  # a violation: what follows is moot
-        for conn in self.conns:
-            rest = conn.recv()
-            if isinstance(rest, WorkerError):
-                raise rest
-            if not stopped:
-                out.extend(rest)
-                stopped = len(rest) < size
-        return out
+        mine = expand_slice(expander, slices[0], _Overlay(parents))
+        return _fold(slices, [mine, *(conn.recv() for conn in self.conns)])
 
     def close(self) -> None:
         for conn in self.conns:
@@ -424,6 +414,28 @@ class _Pool:
             p.join(timeout=5)
             if p.is_alive():  # pragma: no cover
                 p.terminate()
+
+
+def _slices(level: list[tuple[bytes, bytes]], n: int) -> list[list[tuple[bytes, bytes]]]:
+    """``level`` cut into ``n`` contiguous slices (the last ones may be short or empty)."""
+    size = -(-len(level) // n)
+    return [level[i * size:(i + 1) * size] for i in range(n)]
+
+
+def _fold(slices: list[list[tuple[bytes, bytes]]],
+          results: list[list[Expanded] | WorkerError]) -> list[Expanded]:
+    """The slices' results in frontier order. A slice that came back short
+    stopped at a violation: what follows it is moot. A worker's crash is
+    raised here (every result was received first, so the pipes stay in step)."""
+    out: list[Expanded] = []
+    stopped = False
+    for part, rest in zip(slices, results):
+        if isinstance(rest, WorkerError):
+            raise rest
+        if not stopped:
+            out.extend(rest)
+            stopped = len(rest) < len(part)
+    return out
 
 
 class _RayPool:
@@ -450,20 +462,10 @@ class _RayPool:
                parents: Collection[bytes]) -> list[Expanded]:
         known = self.cluster.ray.put(order[self.told:])
         self.told = len(order)
-        size = -(-len(level) // len(self.actors))
-        slices = [level[i * size:(i + 1) * size] for i in range(len(self.actors))]
+        slices = _slices(level, len(self.actors))
         # Every actor is called, an empty slice too: each must learn the keys.
         handles = [a.expand.remote(known, part) for a, part in zip(self.actors, slices)]
-        out: list[Expanded] = []
-        stopped = False
-        for handle, part in zip(handles, slices):
-            rest = self.cluster.get(handle)
-            if isinstance(rest, WorkerError):
-                raise rest
-            if not stopped:
-                out.extend(rest)
-                stopped = len(rest) < len(part)  # a violation: what follows is moot
-        return out
+        return _fold(slices, [self.cluster.get(h) for h in handles])
 
     def close(self) -> None:
         for actor in self.actors:
@@ -579,9 +581,7 @@ class _LazyPool:
     def started(self) -> int:
         """Processes that expanded states: this one, plus the workers if
         started (on a cluster, the actors: this one only merges)."""
-        if self.pool is None:
-            return 1
-        return self.workers if self.cluster is None else len(cast(_RayPool, self.pool).actors)
+        return self.workers if self.pool is not None else 1
 
     def close(self) -> None:
         if self.pool is not None:

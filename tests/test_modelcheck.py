@@ -921,7 +921,7 @@ _AFFORDABLE = ["tiny", "default", "churn", "twins", "mla", "load", "pd", "hybrid
 def test_a_copy_of_the_scope_explores_the_same_states(name: str) -> None:
     scope = SCOPES[name]
     copied = pickle.loads(pickle.dumps(scope))
-    assert copied.requests[0].name == scope.requests[0].name
+    assert copied.requests[0].name is not scope.requests[0].name  # what a worker gets
     assert _outcome(check(copied, "kvstate", out_dir=None)) == _outcome(
         check(scope, "kvstate", out_dir=None))
 
@@ -988,7 +988,7 @@ def test_modelcheck_command_on_a_local_ray_instance(capsys) -> None:
     alone = check(SCOPES["default"], "kvstate", out_dir=None)
     assert (run["states"], run["transitions"], run["exhaustive"]) == (
         alone.states, alone.transitions, True)
-    assert run["workers"] >= 1
+    assert run["workers"] > 1  # actors expanded it (an actor per CPU; CI has two)
 
 
 @pytest.mark.slow
