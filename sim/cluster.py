@@ -11,6 +11,16 @@ CI tests against) and shuts it down afterwards; any other address joins a
 running cluster, which is left running. A cluster the process already
 joined (``ray.init`` called by the caller) is used as it is.
 
+A private instance listens on loopback only (`loopback`). Left to itself,
+Ray swaps ``127.0.0.1`` for the machine's routable address, so a plain
+``ray.init()`` had its control store, raylet and workers listening on every
+interface and talking over the network address: a private instance reachable
+from the network. Ray has no public switch for this; its
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (single-node mode, the default on
+macOS and Windows) keeps every address on loopback, for the processes Ray
+starts (they read the environment) and for this one (which read it when
+``ray`` was imported, so the constant is set too, for the start only).
+
 Every caller folds results in submission order, never in arrival order, so
 a cluster run gives the same answer as one process (the tests compare them).
 Code runs on the cluster's nodes by import, so kvstate must be installed
@@ -19,10 +29,112 @@ there at the same version.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
 INSTALL_HINT = "pip install 'ray>=2.9' (or the project's ray extra: pip install 'kvstate[ray]')"
+
+# How long `Cluster` waits for a TCP answer from an address given as
+# host:port before saying nothing is there. Ray itself retries a dead
+# address for ~12 minutes (20 tries of ~35 s: NUM_REDIS_GET_RETRIES in
+# ray/_private/ray_constants.py, each GcsClient's own wait), silently.
+PROBE_SECONDS = 5.0
+
+# Ray's single-node switch (ray/_private/ray_constants.py: ENABLE_RAY_CLUSTER):
+# off, every address Ray picks for this machine is the loopback address.
+_SINGLE_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def loopback() -> Iterator[None]:
+    """Ray processes started inside this block listen and talk on loopback
+    only (the module docstring says why). For ``local`` instances, and for a
+    test that starts a cluster of several nodes on this machine
+    (``ray.cluster_utils.Cluster``). Everything is restored on exit: a later
+    connection to a real cluster in the same process must report this
+    machine's routable address again."""
+    import ray._private.ray_constants as constants
+
+    before_env = os.environ.get(_SINGLE_NODE)
+    before = constants.ENABLE_RAY_CLUSTER
+    os.environ[_SINGLE_NODE] = "0"
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = before
+        if before_env is None:
+            os.environ.pop(_SINGLE_NODE, None)
+        else:
+            os.environ[_SINGLE_NODE] = before_env
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``host:port`` (``ray://host:port`` too) split; None for ``auto`` and
+    other forms, which Ray resolves itself (and answers quickly)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _answers(host: str, port: int) -> OSError | None:
+    """None if something accepts a TCP connection at ``host:port`` within
+    `PROBE_SECONDS`, else why not."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_SECONDS):
+            return None
+    except OSError as e:
+        return e
+
+
+def _require(address: str, host: str, port: int) -> None:
+    why = _answers(host, port)
+    if why is not None:
+        raise RuntimeError(f"--ray {address}: no Ray cluster there (nothing answered at "
+                           f"{host}:{port} within {PROBE_SECONDS:g} s: {why})")
+
+
+def _on_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _join(ray: Any, address: str, options: dict[str, Any]) -> None:
+    """``ray.init`` at ``address``, failing at once (saying where) when
+    nothing answers there instead of Ray's silent ~12-minute retry.
+
+    A loopback address needs care: Ray connects to this machine's routable
+    address instead, which reaches a cluster listening on every interface
+    (``ray start`` without more) but not one listening on loopback only (a
+    cluster started in single-node mode, as `loopback` starts them). So if
+    the routable address does not answer and loopback does, the join is made
+    in loopback mode too."""
+    where = _host_port(address)
+    if where is None:
+        ray.init(address=address, **options)
+        return
+    host, port = where
+    if not address.startswith("ray://") and _on_loopback(host):
+        routable = str(ray.util.get_node_ip_address())
+        if routable != host and _answers(routable, port) is not None:
+            _require(address, host, port)
+            with loopback():
+                ray.init(address=address, **options)
+            return
+    _require(address, host, port)
+    ray.init(address=address, **options)
 
 
 class Cluster:
@@ -40,10 +152,14 @@ class Cluster:
         self.address = address
         self.started = not ray.is_initialized()
         if self.started:
+            options: dict[str, Any] = {
+                "include_dashboard": False, "log_to_driver": False, "ignore_reinit_error": True}
             try:
-                ray.init(address=None if address == "local" else address,
-                         include_dashboard=False, log_to_driver=False,
-                         ignore_reinit_error=True)
+                if address == "local":
+                    with loopback():
+                        ray.init(address=None, **options)
+                else:
+                    _join(ray, address, options)
             except ConnectionError as e:  # no cluster at that address
                 raise RuntimeError(f"--ray {address}: no Ray cluster there ({e})") from e
 
@@ -70,4 +186,4 @@ class Cluster:
         self.close()
 
 
-__all__ = ["INSTALL_HINT", "Cluster"]
+__all__ = ["INSTALL_HINT", "Cluster", "loopback"]

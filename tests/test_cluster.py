@@ -1,0 +1,162 @@
+"""Where ``--ray`` work runs: a private instance on this machine, and a
+running cluster of several nodes that the commands join by its address.
+
+The cluster of several nodes here is two raylets on this machine (Ray's own
+``ray.cluster_utils.Cluster``), one CPU each, on loopback: work that needs a
+whole CPU per actor or task can only use both CPUs by using both nodes, so
+what is compared below really crossed a node boundary. It is not a second
+machine: a shared file system would hide a file written on the wrong node,
+which is why every result comes back to the driver as a value (tests of
+``bench tools`` check that its traces do).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+
+import pytest
+
+from sim.cli import main
+from sim.modelcheck import SCOPES, check
+
+pytestmark = pytest.mark.slow
+
+ray = pytest.importorskip("ray")
+
+
+def _outcome(r) -> tuple:
+    v = r.violation
+    return (r.states, r.transitions, r.quiet_states, r.depth, r.exhaustive,
+            None if v is None else (v.invariant, v.actions))
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket these processes listen on."""
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            name = process.name()
+            connections = process.net_connections(kind="tcp")
+        except psutil.NoSuchProcess:  # a worker that ended meanwhile
+            continue
+        out += [(c.laddr.ip, c.laddr.port, name) for c in connections
+                if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+def _on_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)  # [::ffff:127.0.0.1]
+    return (mapped or ip).is_loopback
+
+
+def test_a_local_instance_listens_on_loopback_only() -> None:
+    """``--ray local`` is private to this machine. Ray on its own replaces
+    127.0.0.1 by the machine's routable address and listened on every
+    interface (its control store, raylet, workers): this failed before
+    `sim.cluster.loopback`."""
+    import psutil
+
+    from sim.cluster import Cluster
+
+    with Cluster("local") as cluster:
+        assert [n["NodeManagerAddress"] for n in cluster.ray.nodes()] == ["127.0.0.1"]
+        started = {p.pid for p in psutil.Process().children(recursive=True)}
+        sockets = _listening(started)
+        names = {name for _, _, name in sockets}
+        assert {"gcs_server", "raylet"} <= names, sockets  # the check saw Ray's servers
+        exposed = [s for s in sockets if not _on_loopback(s[0])]
+        assert not exposed, f"listening beyond loopback: {exposed}"
+    # The switch is Ray's process-wide constant: back as it was, so that
+    # joining a real cluster later reports the routable address again.
+    import ray._private.ray_constants as constants
+
+    assert constants.ENABLE_RAY_CLUSTER is True
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A running cluster the commands join by address: a head and a second
+    node, one CPU each, on loopback."""
+    from ray.cluster_utils import Cluster as RayCluster
+
+    from sim.cluster import loopback
+
+    with loopback():
+        nodes = RayCluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "include_dashboard": False})
+        nodes.add_node(num_cpus=1)
+        nodes.wait_for_nodes()
+    yield nodes.address
+    if ray.is_initialized():
+        ray.shutdown()
+    nodes.shutdown()
+
+
+def test_joining_a_cluster_uses_its_nodes_and_leaves_it_running(two_nodes) -> None:
+    from sim.cluster import Cluster
+
+    with Cluster(two_nodes) as cluster:
+        assert cluster.started and cluster.cpus == 2
+        alive = [n for n in cluster.ray.nodes() if n["Alive"]]
+        assert len(alive) == 2
+        assert {n["NodeManagerAddress"] for n in alive} == {"127.0.0.1"}
+    assert not ray.is_initialized()  # this process left ...
+    with Cluster(two_nodes) as again:  # ... and the cluster is still there
+        assert again.cpus == 2
+
+
+def test_a_campaign_on_two_nodes_matches_one_process(two_nodes) -> None:
+    from sim.campaign import campaign, summary
+    from sim.runner import SimOptions
+
+    base = SimOptions(requests=24)
+
+    def deterministic(result) -> dict:
+        return {k: v for k, v in summary(result).items() if k not in ("seconds", "first_found")}
+
+    alone = campaign("e1", seeds=4, base=base)
+    joined = campaign("e1", seeds=4, base=base, ray_address=two_nodes)
+    assert alone.counts and deterministic(joined) == deterministic(alone)
+
+
+def test_the_model_checker_on_two_nodes_matches_one_process(two_nodes, tmp_path) -> None:
+    """One actor per CPU, so one actor on each node; the counterexample is
+    written by the driver and replays."""
+    from sim.cluster import Cluster
+    from sim.replay import replay_trace
+
+    alone = check(SCOPES["default"], "kvstate", out_dir=None)
+    buggy = check(SCOPES["twins"], "save-on-loading-step", out_dir=None)
+    with Cluster(two_nodes) as cluster:
+        r = check(SCOPES["default"], "kvstate", out_dir=None, workers=2, cluster=cluster)
+        found = check(SCOPES["twins"], "save-on-loading-step", out_dir=str(tmp_path),
+                      workers=2, cluster=cluster)
+    assert r.workers == 2 and _outcome(r) == _outcome(alone)
+    assert _outcome(found) == _outcome(buggy)
+    assert found.violation.trace is not None and replay_trace(found.violation.trace).ok
+
+
+def test_the_commands_take_the_cluster_address(two_nodes, capsys) -> None:
+    assert main(["modelcheck", "--scope", "tiny", "--ray", two_nodes, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    alone = check(SCOPES["tiny"], "kvstate", out_dir=None)
+    assert (run["states"], run["exhaustive"], run["workers"]) == (alone.states, True, 2)
+    assert main(["campaign", "--protocol", "e1", "--seeds", "2", "--ray", two_nodes]) == 1
+    assert "reproduce: kvstate sim" in capsys.readouterr().out
+
+
+def test_an_address_with_no_cluster_is_a_usage_error(capsys) -> None:
+    """Nothing listens there (a port of loopback that was just free)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["modelcheck", "--scope", "tiny", "--ray", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "Traceback" not in err
