@@ -23,9 +23,10 @@ MOONCAKE_FIXTURES = {"mooncake_master", "mooncake_store"}
 
 # Test modules marked slow as a whole (their ``pytestmark``). The default
 # selection (``-m 'not slow'``) would deselect every test in them anyway, but
-# importing them costs ~25 s (vLLM, torch); they are not even collected then.
-# `tests/test_markers.py` keeps this set equal to the modules' own marks.
-WHOLLY_SLOW_MODULES = frozenset({"test_conformance.py", "test_mooncake.py",
+# importing them costs ~25 s (vLLM, torch; Ray ~1 s); they are not even
+# collected then. `tests/test_markers.py` keeps this set equal to the modules'
+# own marks.
+WHOLLY_SLOW_MODULES = frozenset({"test_cluster.py", "test_conformance.py", "test_mooncake.py",
                                  "test_vllm_connector.py"})
 
 
