@@ -86,6 +86,10 @@ from sim.modelcheck import (
 COLLECT_EVERY = 20_000
 # Frontier states per worker and batch (a batch is ~0.1-0.3 s of work).
 BATCH = 64
+# Times a Ray actor is started again after its process or node died (then
+# `ActorLost`). A few: a node lost now and then is routine on a cluster; an
+# actor that dies every time is a broken install, said after a few tries.
+ACTOR_RESTARTS = 3
 
 
 def discard(s: System) -> None:
@@ -348,6 +352,11 @@ class WorkerError(RuntimeError):
     """An exception inside a model-checker worker, with its traceback."""
 
 
+class ActorLost(RuntimeError):
+    """A Ray actor of the model checker died for good (`ACTOR_RESTARTS` spent):
+    the cluster failed, not the protocol (the command line says so, exit 2)."""
+
+
 def expand_slice(expander: Expander, chunk: list[tuple[bytes, bytes]], seen: Any
                  ) -> list[Expanded]:
     """A contiguous slice of a level; ``seen`` (``in`` and ``update``) learns
@@ -453,7 +462,13 @@ class _RayPool:
         # the cluster has CPUs (whole CPUs would leave the rest unscheduled,
         # and a level would wait for them forever).
         share = min(1.0, cluster.cpus / workers)
-        remote = cluster.ray.remote(num_cpus=share)(_ActorWorker)
+        # An actor whose process or node dies is started again and its call
+        # sent again. That is safe because what it loses is only what it was
+        # told: a worker that knows fewer keys pickles more children, never
+        # fewer (the fold keeps a child's blob only if its key is new), so
+        # the result is the same (a test kills actors between levels).
+        remote = cluster.ray.remote(num_cpus=share, max_restarts=ACTOR_RESTARTS,
+                                    max_task_retries=ACTOR_RESTARTS)(_ActorWorker)
         self.actors = [remote.remote(scope, protocol, reduce, list(only) if only else None)
                        for _ in range(workers)]
         self.told = 0
@@ -465,7 +480,13 @@ class _RayPool:
         slices = _slices(level, len(self.actors))
         # Every actor is called, an empty slice too: each must learn the keys.
         handles = [a.expand.remote(known, part) for a, part in zip(self.actors, slices)]
-        return _fold(slices, [self.cluster.get(h) for h in handles])
+        try:
+            results = [self.cluster.get(h) for h in handles]
+        except self.cluster.ray.exceptions.RayActorError as e:
+            raise ActorLost(
+                f"a model-checker actor died more than {ACTOR_RESTARTS} times (its node lost, "
+                f"or its process killed): {e}") from e
+        return _fold(slices, results)
 
     def close(self) -> None:
         for actor in self.actors:
