@@ -797,9 +797,13 @@ def bench_modelcheck(scope: str = "default", max_states: int | None = 15_000,
 
 
 def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
-                   workers: Sequence[int] | None = None) -> dict[str, Any]:
+                   workers: Sequence[int] | None = None,
+                   cluster: Any = None) -> dict[str, Any]:
     """Seeds per second of a campaign with 1, 2 and all workers (the same
-    seeds each time; the aggregated results must be equal)."""
+    seeds each time; the aggregated results must be equal); given a
+    `sim.cluster.Cluster`, the same seeds as Ray tasks on it too (its
+    speed-up over one local worker is what a campaign gains per seed from
+    that cluster, scheduling and transfers included)."""
     import os
 
     from sim.campaign import campaign, summary
@@ -821,6 +825,16 @@ def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
             base = rate or 1.0
         else:
             figures[f"speedup_w{n}"] = round(rate / base, 2)
+    if cluster is not None:
+        # The cluster's connection is this process's already: campaign() joins
+        # it as it is, so its start is not counted (it is a one-time cost).
+        r = campaign(protocol, seeds=seeds, ray_address=cluster.address)
+        doc = summary(r)
+        outcomes.append({k: v for k, v in doc.items() if k not in ("seconds", "first_found")})
+        rate = r.runs / r.seconds if r.seconds else 0.0
+        figures["ray_cpus"] = cluster.cpus
+        figures["seeds_per_s_ray"] = round(rate, 2)
+        figures["speedup_ray"] = round(rate / (base or 1.0), 2)
     figures["same_results"] = all(o == outcomes[0] for o in outcomes)
     # Sizing from the first run (one worker unless ``workers`` says otherwise;
     # the CPU seconds count every worker): a campaign's cost is its observations

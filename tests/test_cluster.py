@@ -201,3 +201,14 @@ def test_an_actor_that_keeps_dying_is_a_clear_error(two_nodes, monkeypatch, caps
     assert main(["modelcheck", "--scope", "default", "--ray", two_nodes]) == 2
     err = capsys.readouterr().err
     assert "died more than 0 times" in err and "Traceback" not in err
+
+
+def test_bench_campaign_measures_the_cluster_on_the_same_seeds(two_nodes) -> None:
+    from sim.bench import bench_campaign
+    from sim.cluster import Cluster
+
+    with Cluster(two_nodes) as cluster:
+        figures = bench_campaign(seeds=2, protocol="e1", workers=[1], cluster=cluster)
+    assert figures["same_results"] is True  # the Ray run folded to the local result
+    assert figures["ray_cpus"] == 2
+    assert figures["seeds_per_s_ray"] > 0 and figures["speedup_ray"] > 0

@@ -105,9 +105,11 @@ def run(args: argparse.Namespace) -> int:
     if "campaign" in parts:
         from sim.bench import bench_campaign
 
-        report["campaign"] = bench_campaign(seeds=4 if args.quick else 16)
+        with ray_cluster(args.ray) as cluster:
+            report["campaign"] = bench_campaign(seeds=4 if args.quick else 16, cluster=cluster)
         if not args.json:
-            print("campaign seeds per second with 1, 2 and all workers (same seeds):")
+            print("campaign seeds per second with 1, 2 and all workers"
+                  f"{' and on the Ray cluster' if args.ray else ''} (same seeds):")
             print(table([[k, str(v)] for k, v in report["campaign"].items()]))
     if "check" in parts:
         from sim.bench import bench_check
@@ -143,7 +145,8 @@ def register(sub: Any) -> None:
                        "findings and lengths; the seconds then include the other workers' "
                        "load, so 1 is the default)")
     parser.add_argument("--ray", metavar="ADDRESS", default=None,
-                       help="for 'tools': compute the rows as Ray tasks on a cluster instead "
+                       help="for 'tools': compute the rows as Ray tasks on a cluster instead; "
+                       "for 'campaign': run the same seeds on it too and print its speed-up "
                        "('local' starts one here; needs pip install 'kvstate[ray]')")
     parser.add_argument("--out-dir", default=".",
                        help="for 'tools': where counterexample traces go")
