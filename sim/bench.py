@@ -562,7 +562,9 @@ def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0
 
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        pool = ctx.Pool(min(workers, len(names)))
+        from sim.workers import take_signals
+
+        pool = ctx.Pool(min(workers, len(names)), initializer=take_signals)
         rows = pool.imap(job, names)  # in order, as each is ready
     try:
         for name, row in zip(names, rows):

@@ -18,6 +18,7 @@ import attrs
 
 from sim.faults import SITES
 from sim.runner import SimOptions, simulate
+from sim.workers import take_signals
 
 
 @attrs.define
@@ -98,15 +99,6 @@ class _Inline:
         pass
 
 
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the parent, which ends them: a terminal sends
-    SIGINT to the whole process group, and a worker's KeyboardInterrupt
-    would print a traceback per worker."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 class _Processes:
     """A local process pool (fork where available: no re-import per worker)."""
 
@@ -115,7 +107,7 @@ class _Processes:
 
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        self.pool = ctx.Pool(workers, initializer=_ignore_sigint)
+        self.pool = ctx.Pool(workers, initializer=take_signals)
 
     def submit(self, *args: Any) -> Any:
         return self.pool.apply_async(run_seed, args)

@@ -324,9 +324,9 @@ class SliceWorker:
 
 def _worker(conn: Any, scope: Scope, protocol: str, reduce: bool,
             only: Sequence[str] | None) -> None:
-    import signal
+    from sim.workers import take_signals
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (it ends us)
+    take_signals()
     gc.disable()
     worker = SliceWorker(scope, protocol, reduce, only)
     while True:
