@@ -1,9 +1,10 @@
 """A Ray cluster: where ``--ray ADDRESS`` work runs.
 
-Three commands can spread their work over a cluster: ``kvstate campaign``
+These commands can spread their work over a cluster: ``kvstate campaign``
 (seeds as tasks), ``kvstate modelcheck`` (each breadth-first level's
-frontier in slices, one stateful actor per CPU) and ``kvstate bench tools``
-(a variant's row as a task). They share this connection: Ray is an optional
+frontier in slices, one stateful actor per CPU), ``kvstate bench tools``
+(a variant's row as a task) and ``kvstate bench campaign`` (the same seeds
+as tasks, to measure the cluster). They share this connection: Ray is an optional
 extra (``pip install 'kvstate[ray]'``), so a missing install is an error
 that says what to install (the CLI turns it into exit 2), never a bare
 ``ImportError``; ``local`` starts a private instance on this machine (what
@@ -39,8 +40,8 @@ INSTALL_HINT = "pip install 'ray>=2.9' (or the project's ray extra: pip install 
 
 # How long `Cluster` waits for a TCP answer from an address given as
 # host:port before saying nothing is there. Ray itself retries a dead
-# address for ~12 minutes (20 tries of ~35 s: NUM_REDIS_GET_RETRIES in
-# ray/_private/ray_constants.py, each GcsClient's own wait), silently.
+# address for ~13 minutes, silently: NUM_REDIS_GET_RETRIES (20) tries in
+# ray/_private/node.py, each a GcsClient that waited ~40 s here.
 PROBE_SECONDS = 5.0
 
 # Ray's single-node switch (ray/_private/ray_constants.py: ENABLE_RAY_CLUSTER):
@@ -59,13 +60,17 @@ def loopback() -> Iterator[None]:
     import ray._private.ray_constants as constants
 
     before_env = os.environ.get(_SINGLE_NODE)
-    before = constants.ENABLE_RAY_CLUSTER
+    # A private name: should a Ray release drop it, only the environment is
+    # set (enough when ray was not imported yet), and the loopback test fails.
+    before = getattr(constants, "ENABLE_RAY_CLUSTER", None)
     os.environ[_SINGLE_NODE] = "0"
-    constants.ENABLE_RAY_CLUSTER = False
+    if before is not None:
+        constants.ENABLE_RAY_CLUSTER = False
     try:
         yield
     finally:
-        constants.ENABLE_RAY_CLUSTER = before
+        if before is not None:
+            constants.ENABLE_RAY_CLUSTER = before
         if before_env is None:
             os.environ.pop(_SINGLE_NODE, None)
         else:
@@ -113,7 +118,7 @@ def _on_loopback(host: str) -> bool:
 
 def _join(ray: Any, address: str, options: dict[str, Any]) -> None:
     """``ray.init`` at ``address``, failing at once (saying where) when
-    nothing answers there instead of Ray's silent ~12-minute retry.
+    nothing answers there instead of Ray's silent ~13-minute retry.
 
     A loopback address needs care: Ray connects to this machine's routable
     address instead, which reaches a cluster listening on every interface
