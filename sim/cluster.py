@@ -25,12 +25,17 @@ starts (they read the environment) and for this one (which read it when
 Every caller folds results in submission order, never in arrival order, so
 a cluster run gives the same answer as one process (the tests compare them).
 Code runs on the cluster's nodes by import, so kvstate must be installed
-there at the same version.
+there at the same version; and since a node with other code would fold its
+findings into the same result, silently, joining a cluster first asks every
+node for a fingerprint of the kvstate and sim sources it imports
+(`code_fingerprint`) and refuses a cluster where any differs from this
+process's, naming the node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from types import TracebackType
@@ -142,6 +147,67 @@ def _join(ray: Any, address: str, options: dict[str, Any]) -> None:
     ray.init(address=address, **options)
 
 
+@functools.cache
+def code_fingerprint() -> str:
+    """A digest of the kvstate and sim sources this process imports (every
+    ``.py`` file's path in its package and its bytes): equal on two machines
+    exactly when they run the same code, whatever the version string says
+    (an editable install, a local change)."""
+    import hashlib
+    import importlib
+    from pathlib import Path
+
+    digest = hashlib.sha256()
+    for name in ("kvstate", "sim"):
+        root = Path(importlib.import_module(name).__file__ or "").parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root.parent).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def node_code() -> tuple[str, str, str]:
+    """What a node runs: (source fingerprint, kvstate's version, Python's)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("kvstate")
+    except PackageNotFoundError:  # run from a checkout, not installed
+        installed = "not installed"
+    return code_fingerprint(), installed, platform.python_version()
+
+
+def _check_code(ray: Any, address: str) -> None:
+    """Refuse a cluster whose nodes run other kvstate code than this process
+    (one probe task pinned to each live node; see the module docstring)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = node_code()
+    probe = ray.remote(num_cpus=0)(node_code)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    handles = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote() for n in nodes]
+    problems = []
+    for node, handle in zip(nodes, handles):
+        where = node.get("NodeManagerAddress", node["NodeID"])
+        try:
+            there = tuple(ray.get(handle))
+        except Exception as e:  # the node could not even import it
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            problems.append(f"node {where} cannot run kvstate ({first})")
+            continue
+        if there != here:
+            problems.append(f"node {where} runs sources {there[0]} (kvstate {there[1]}, "
+                            f"Python {there[2]})")
+    if problems:
+        raise RuntimeError(
+            f"--ray {address}: the cluster runs other kvstate code than this process "
+            f"(sources {here[0]}, kvstate {here[1]}, Python {here[2]}), and its findings "
+            f"would be folded in as if they were this code's: {'; '.join(problems)}. "
+            "Install this kvstate on every node.")
+
+
 class Cluster:
     """A connection to a Ray cluster (a context manager: `close` on exit)."""
 
@@ -167,6 +233,12 @@ class Cluster:
                     _join(ray, address, options)
             except ConnectionError as e:  # no cluster at that address
                 raise RuntimeError(f"--ray {address}: no Ray cluster there ({e})") from e
+            if address != "local":  # a private instance runs this process's files
+                try:
+                    _check_code(ray, address)
+                except BaseException:
+                    self.close()
+                    raise
 
     @property
     def cpus(self) -> int:
@@ -191,4 +263,4 @@ class Cluster:
         self.close()
 
 
-__all__ = ["INSTALL_HINT", "Cluster", "loopback"]
+__all__ = ["INSTALL_HINT", "Cluster", "code_fingerprint", "loopback", "node_code"]

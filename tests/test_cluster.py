@@ -228,3 +228,24 @@ def test_workers_forked_beside_ray_end_quietly(capfd) -> None:
             assert result.runs == 2
     err = capfd.readouterr().err
     assert "SIGTERM received" not in err
+
+
+def test_a_cluster_running_other_code_is_refused(two_nodes, monkeypatch, capsys) -> None:
+    """Every node is asked what it imports; a node with other sources would
+    fold its findings into this process's result. Here this process
+    pretends to run other code than the nodes (which import the files)."""
+    import sim.cluster
+
+    real = sim.cluster.node_code()
+    assert real[0] == sim.cluster.code_fingerprint() and len(real[0]) == 16
+    # Only this process's fingerprint: the probe runs `node_code` on the
+    # nodes, where the files decide.
+    monkeypatch.setattr(sim.cluster, "code_fingerprint", lambda: "0" * 16)
+    with pytest.raises(RuntimeError) as e:
+        sim.cluster.Cluster(two_nodes)
+    message = str(e.value)
+    assert message.count("node 127.0.0.1 runs sources " + real[0]) == 2  # both nodes named
+    assert "Install this kvstate on every node" in message
+    assert not ray.is_initialized()  # the refused connection was closed
+    assert main(["campaign", "--seeds", "1", "--ray", two_nodes]) == 2
+    assert "other kvstate code" in capsys.readouterr().err
