@@ -227,8 +227,12 @@ class Cluster:
                 "include_dashboard": False, "log_to_driver": False, "ignore_reinit_error": True}
             try:
                 if address == "local":
+                    # Ray's "local": a new instance even where one runs. With
+                    # no address, ray.init() joined the newest cluster on this
+                    # machine (RAY_ADDRESS, /tmp/ray/ray_current_cluster, a
+                    # test's) instead of starting a private one.
                     with loopback():
-                        ray.init(address=None, **options)
+                        ray.init(address="local", **options)
                 else:
                     _join(ray, address, options)
             except ConnectionError as e:  # no cluster at that address

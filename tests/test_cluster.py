@@ -249,3 +249,18 @@ def test_a_cluster_running_other_code_is_refused(two_nodes, monkeypatch, capsys)
     assert not ray.is_initialized()  # the refused connection was closed
     assert main(["campaign", "--seeds", "1", "--ray", two_nodes]) == 2
     assert "other kvstate code" in capsys.readouterr().err
+
+
+def test_local_starts_its_own_instance_beside_a_running_cluster(two_nodes) -> None:
+    """``local`` means private: with ``ray.init()``'s default address it
+    joined the cluster already running on this machine (here the two-node
+    one) and used its nodes."""
+    import os
+
+    from sim.cluster import Cluster
+
+    with Cluster("local") as cluster:
+        nodes = [n for n in cluster.ray.nodes() if n["Alive"]]
+        assert len(nodes) == 1 and cluster.cpus == (os.cpu_count() or 1)
+    with Cluster(two_nodes) as joined:  # the running one is untouched
+        assert joined.cpus == 2
