@@ -28,7 +28,7 @@ import gc
 import pickle
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstate.config import ConnectorConfig
@@ -800,12 +800,14 @@ def bench_modelcheck(scope: str = "default", max_states: int | None = 15_000,
 
 def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
                    workers: Sequence[int] | None = None,
-                   cluster: Any = None) -> dict[str, Any]:
+                   connect: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Seeds per second of a campaign with 1, 2 and all workers (the same
-    seeds each time; the aggregated results must be equal); given a
-    `sim.cluster.Cluster`, the same seeds as Ray tasks on it too (its
-    speed-up over one local worker is what a campaign gains per seed from
-    that cluster, scheduling and transfers included)."""
+    seeds each time; the aggregated results must be equal); given
+    ``connect`` (a context manager of a `sim.cluster.Cluster`), the same
+    seeds as Ray tasks on that cluster too (its speed-up over one local
+    worker is what a campaign gains per seed from it, scheduling and
+    transfers included). The cluster is connected after the local runs, so
+    their worker processes are never forked beside Ray's threads."""
     import os
 
     from sim.campaign import campaign, summary
@@ -827,14 +829,15 @@ def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
             base = rate or 1.0
         else:
             figures[f"speedup_w{n}"] = round(rate / base, 2)
-    if cluster is not None:
-        # The cluster's connection is this process's already: campaign() joins
-        # it as it is, so its start is not counted (it is a one-time cost).
-        r = campaign(protocol, seeds=seeds, ray_address=cluster.address)
+    if connect is not None:
+        with connect() as cluster:
+            # The connection is this process's already: campaign() uses it as
+            # it is, so its start is not counted (a one-time cost).
+            r = campaign(protocol, seeds=seeds, ray_address=cluster.address)
+            figures["ray_cpus"] = cluster.cpus
         doc = summary(r)
         outcomes.append({k: v for k, v in doc.items() if k not in ("seconds", "first_found")})
         rate = r.runs / r.seconds if r.seconds else 0.0
-        figures["ray_cpus"] = cluster.cpus
         figures["seeds_per_s_ray"] = round(rate, 2)
         figures["speedup_ray"] = round(rate / (base or 1.0), 2)
     figures["same_results"] = all(o == outcomes[0] for o in outcomes)

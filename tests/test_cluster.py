@@ -207,8 +207,8 @@ def test_bench_campaign_measures_the_cluster_on_the_same_seeds(two_nodes) -> Non
     from sim.bench import bench_campaign
     from sim.cluster import Cluster
 
-    with Cluster(two_nodes) as cluster:
-        figures = bench_campaign(seeds=2, protocol="e1", workers=[1], cluster=cluster)
+    figures = bench_campaign(seeds=2, protocol="e1", workers=[1],
+                             connect=lambda: Cluster(two_nodes))
     assert figures["same_results"] is True  # the Ray run folded to the local result
     assert figures["ray_cpus"] == 2
     assert figures["seeds_per_s_ray"] > 0 and figures["speedup_ray"] > 0

@@ -105,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
     if "campaign" in parts:
         from sim.bench import bench_campaign
 
-        with ray_cluster(args.ray) as cluster:
-            report["campaign"] = bench_campaign(seeds=4 if args.quick else 16, cluster=cluster)
+        report["campaign"] = bench_campaign(
+            seeds=4 if args.quick else 16,
+            connect=None if args.ray is None else lambda: ray_cluster(args.ray))
         if not args.json:
             print("campaign seeds per second with 1, 2 and all workers"
                   f"{' and on the Ray cluster' if args.ray else ''} (same seeds):")
