@@ -255,12 +255,15 @@ def test_local_starts_its_own_instance_beside_a_running_cluster(two_nodes) -> No
     """``local`` means private: with ``ray.init()``'s default address it
     joined the cluster already running on this machine (here the two-node
     one) and used its nodes."""
-    import os
-
     from sim.cluster import Cluster
 
+    def alive(cluster) -> set[str]:
+        return {n["NodeID"] for n in cluster.ray.nodes() if n["Alive"]}
+
+    with Cluster(two_nodes) as joined:
+        running = alive(joined)
     with Cluster("local") as cluster:
-        nodes = [n for n in cluster.ray.nodes() if n["Alive"]]
-        assert len(nodes) == 1 and cluster.cpus == (os.cpu_count() or 1)
+        private = alive(cluster)
+    assert len(running) == 2 and len(private) == 1 and not private & running
     with Cluster(two_nodes) as joined:  # the running one is untouched
-        assert joined.cpus == 2
+        assert alive(joined) == running
