@@ -267,3 +267,21 @@ def test_local_starts_its_own_instance_beside_a_running_cluster(two_nodes) -> No
     assert len(running) == 2 and len(private) == 1 and not private & running
     with Cluster(two_nodes) as joined:  # the running one is untouched
         assert alive(joined) == running
+
+
+def test_a_campaign_of_several_protocols_connects_once(two_nodes, monkeypatch, capsys) -> None:
+    """One connection for the whole command, as the model checker has: it
+    connected (and, for ``local``, started Ray) once per protocol."""
+    inits = []
+    real = ray.init
+
+    def counting(*args, **kwargs):
+        inits.append(kwargs.get("address"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "init", counting)
+    assert main(["campaign", "--protocol", "e1", "--protocol", "kvstate", "--seeds", "2",
+                 "--ray", two_nodes, "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "e1" in out and "kvstate" in out
+    assert inits == [two_nodes]

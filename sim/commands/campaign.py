@@ -6,8 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from sim.commands.errors import UsageError
-from sim.commands.options import add_protocols, nonneg_int, positive_int
+from sim.commands.options import add_protocols, nonneg_int, positive_int, ray_cluster
 from sim.commands.output import envelope
 from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
 
@@ -28,21 +27,23 @@ def run(args: argparse.Namespace) -> int:
     from sim.campaign import campaign, summary
 
     results = []
-    for protocol in args.protocol or ["kvstate"]:
-        with progress_for(args, label=protocol,
-                          total=args.seeds if args.seeds is not None else args.budget,
-                          unit="seeds" if args.seeds is not None else "s") as bar:
-            try:
-                results.append(campaign(protocol, budget=args.budget, seeds=args.seeds,
-                                        start_seed=args.seed,
-                                        on_seed=_on_seed(args, bar) if bar.active else None,
-                                        stop_when_found=args.stop_when_found,
-                                        workers=args.workers or os.cpu_count() or 1,
-                                        ray_address=args.ray))
-            except RuntimeError as e:  # --ray without Ray installed, or no cluster there
-                raise UsageError(str(e)) from e
-        if results[-1].interrupted:
-            break  # Ctrl-C: report what was found, then exit 130
+    # One connection for every protocol (a campaign uses the one this process
+    # holds): `local` starts Ray once, a joined cluster is checked once.
+    # Ray missing or no cluster there is a usage error (exit 2) from here;
+    # anything the campaigns raise is theirs, with its traceback.
+    with ray_cluster(args.ray) as cluster:
+        for protocol in args.protocol or ["kvstate"]:
+            with progress_for(args, label=protocol,
+                              total=args.seeds if args.seeds is not None else args.budget,
+                              unit="seeds" if args.seeds is not None else "s") as bar:
+                results.append(campaign(
+                    protocol, budget=args.budget, seeds=args.seeds, start_seed=args.seed,
+                    on_seed=_on_seed(args, bar) if bar.active else None,
+                    stop_when_found=args.stop_when_found,
+                    workers=args.workers or os.cpu_count() or 1,
+                    ray_address=None if cluster is None else cluster.address))
+            if results[-1].interrupted:
+                break  # Ctrl-C: report what was found, then exit 130
     failed_sites = [s for r in results if r.ok for s in r.never_fired] if args.require_fired \
         else []
     ok = all(r.ok for r in results) and not failed_sites
