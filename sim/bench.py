@@ -810,7 +810,7 @@ def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
     their worker processes are never forked beside Ray's threads."""
     import os
 
-    from sim.campaign import campaign, summary
+    from sim.campaign import campaign, comparable
 
     counts = workers or sorted({1, 2, os.cpu_count() or 1})
     figures: dict[str, Any] = {"seeds": seeds, "protocol": protocol}
@@ -821,8 +821,7 @@ def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
         r = campaign(protocol, seeds=seeds, workers=n)
         cpu = _cpu_seconds() - cpu
         figures[f"cpu_s_per_seed_w{n}"] = round(cpu / max(r.runs, 1), 3)
-        doc = summary(r)
-        outcomes.append({k: v for k, v in doc.items() if k not in ("seconds", "first_found")})
+        outcomes.append(comparable(r))
         rate = r.runs / r.seconds if r.seconds else 0.0
         figures[f"seeds_per_s_w{n}"] = round(rate, 2)
         if base is None:
@@ -835,8 +834,7 @@ def bench_campaign(seeds: int = 16, protocol: str = "kvstate",
             # it is, so its start is not counted (a one-time cost).
             r = campaign(protocol, seeds=seeds, ray_address=cluster.address)
             figures["ray_cpus"] = cluster.cpus
-        doc = summary(r)
-        outcomes.append({k: v for k, v in doc.items() if k not in ("seconds", "first_found")})
+        outcomes.append(comparable(r))
         rate = r.runs / r.seconds if r.seconds else 0.0
         figures["seeds_per_s_ray"] = round(rate, 2)
         figures["speedup_ray"] = round(rate / (base or 1.0), 2)

@@ -246,3 +246,9 @@ def campaign(
 
 def summary(result: CampaignResult) -> dict[str, Any]:
     return attrs.asdict(result)
+
+
+def comparable(result: CampaignResult) -> dict[str, Any]:
+    """`summary` without the wall-clock fields: equal for the same seeds
+    whatever ran them (one process, N workers, a Ray cluster)."""
+    return {k: v for k, v in summary(result).items() if k not in ("seconds", "first_found")}

@@ -131,20 +131,16 @@ def _join(ray: Any, address: str, options: dict[str, Any]) -> None:
     cluster started in single-node mode, as `loopback` starts them). So if
     the routable address does not answer and loopback does, the join is made
     in loopback mode too."""
+    loopback_only = False
     where = _host_port(address)
-    if where is None:
+    if where is not None:
+        host, port = where
+        if not address.startswith("ray://") and _on_loopback(host):
+            routable = str(ray.util.get_node_ip_address())
+            loopback_only = routable != host and _answers(routable, port) is not None
+        _require(address, host, port)
+    with loopback() if loopback_only else contextlib.nullcontext():
         ray.init(address=address, **options)
-        return
-    host, port = where
-    if not address.startswith("ray://") and _on_loopback(host):
-        routable = str(ray.util.get_node_ip_address())
-        if routable != host and _answers(routable, port) is not None:
-            _require(address, host, port)
-            with loopback():
-                ray.init(address=address, **options)
-            return
-    _require(address, host, port)
-    ray.init(address=address, **options)
 
 
 @functools.cache
@@ -194,8 +190,9 @@ def _check_code(ray: Any, address: str) -> None:
         try:
             there = tuple(ray.get(handle))
         except Exception as e:  # the node could not even import it
-            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            problems.append(f"node {where} cannot run kvstate ({first})")
+            text = str(e).strip()
+            problems.append(f"node {where} cannot run kvstate "
+                            f"({text.splitlines()[-1] if text else type(e).__name__})")
             continue
         if there != here:
             problems.append(f"node {where} runs sources {there[0]} (kvstate {there[1]}, "

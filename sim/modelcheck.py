@@ -629,6 +629,15 @@ class Result:
     def states_per_second(self) -> float:
         return self.states / self.seconds if self.seconds else 0.0
 
+    @property
+    def outcome(self) -> tuple[Any, ...]:
+        """What an exploration decided, without its wall clock or process
+        count: the same for a scope and protocol whatever the engine, the
+        workers or the cluster (the tests compare exactly this)."""
+        v = self.violation
+        return (self.states, self.transitions, self.quiet_states, self.depth, self.exhaustive,
+                None if v is None else (v.invariant, v.actions))
+
 
 def _dumps(s: System) -> bytes:
     return pickle.dumps(s, protocol=5)

@@ -25,12 +25,6 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 
-def _outcome(r) -> tuple:
-    v = r.violation
-    return (r.states, r.transitions, r.quiet_states, r.depth, r.exhaustive,
-            None if v is None else (v.invariant, v.actions))
-
-
 def _listening(pids: set[int]) -> list[tuple[str, int, str]]:
     """(address, port, process name) of every TCP socket these processes listen on."""
     import psutil
@@ -111,17 +105,13 @@ def test_joining_a_cluster_uses_its_nodes_and_leaves_it_running(two_nodes) -> No
 
 
 def test_a_campaign_on_two_nodes_matches_one_process(two_nodes) -> None:
-    from sim.campaign import campaign, summary
+    from sim.campaign import campaign, comparable
     from sim.runner import SimOptions
 
     base = SimOptions(requests=24)
-
-    def deterministic(result) -> dict:
-        return {k: v for k, v in summary(result).items() if k not in ("seconds", "first_found")}
-
     alone = campaign("e1", seeds=4, base=base)
     joined = campaign("e1", seeds=4, base=base, ray_address=two_nodes)
-    assert alone.counts and deterministic(joined) == deterministic(alone)
+    assert alone.counts and comparable(joined) == comparable(alone)
 
 
 def test_the_model_checker_on_two_nodes_matches_one_process(two_nodes, tmp_path) -> None:
@@ -136,8 +126,8 @@ def test_the_model_checker_on_two_nodes_matches_one_process(two_nodes, tmp_path)
         r = check(SCOPES["default"], "kvstate", out_dir=None, workers=2, cluster=cluster)
         found = check(SCOPES["twins"], "save-on-loading-step", out_dir=str(tmp_path),
                       workers=2, cluster=cluster)
-    assert r.workers == 2 and _outcome(r) == _outcome(alone)
-    assert _outcome(found) == _outcome(buggy)
+    assert r.workers == 2 and r.outcome == alone.outcome
+    assert found.outcome == buggy.outcome
     assert found.violation.trace is not None and replay_trace(found.violation.trace).ok
 
 
@@ -184,7 +174,7 @@ def test_the_model_checker_survives_its_actors_dying(two_nodes, monkeypatch) -> 
     with Cluster(two_nodes) as cluster:
         r = check(SCOPES["default"], "kvstate", out_dir=None, workers=2, cluster=cluster)
     assert len(kills) == 2  # both actors died once, at different levels
-    assert _outcome(r) == _outcome(alone)
+    assert r.outcome == alone.outcome
 
 
 def test_an_actor_that_keeps_dying_is_a_clear_error(two_nodes, monkeypatch, capsys) -> None:
@@ -192,8 +182,7 @@ def test_an_actor_that_keeps_dying_is_a_clear_error(two_nodes, monkeypatch, caps
 
     class Doomed(mc._RayPool):
         def expand(self, level, order, expander, parents):
-            for _ in range(mc.ACTOR_RESTARTS + 1):  # every restart too
-                self.cluster.ray.kill(self.actors[0], no_restart=False)
+            self.cluster.ray.kill(self.actors[0])  # no restart left (ACTOR_RESTARTS is 0)
             return super().expand(level, order, expander, parents)
 
     monkeypatch.setattr(mc, "_RayPool", Doomed)

@@ -11,6 +11,7 @@ import pytest
 from kvstate.coverage import Coverage, recording
 from kvstate.tables import JOB, JobEvent, JobState
 from kvstate.variants import VARIANTS
+from sim.campaign import comparable
 from sim.check import check_trace
 from sim.cli import main
 from sim.modelcheck import (
@@ -278,12 +279,6 @@ def test_bench_tools_gives_the_same_rows_with_two_workers(tmp_path) -> None:
 # state counts, same shortest counterexamples.
 
 
-def _outcome(r) -> tuple:
-    v = r.violation
-    return (r.states, r.transitions, r.quiet_states, r.depth, r.exhaustive,
-            None if v is None else (v.invariant, v.actions))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(SCOPE_FINDS))
 def test_compact_engine_agrees_with_legacy_on_every_variant(variant: str) -> None:
@@ -293,7 +288,7 @@ def test_compact_engine_agrees_with_legacy_on_every_variant(variant: str) -> Non
     for scope, only in ((SCOPES[SCOPE_FINDS[variant]], own), (TINY, None)):
         legacy = check(scope, variant, engine="legacy", out_dir=None, only=only)
         compact = check(scope, variant, engine="compact", out_dir=None, only=only)
-        assert _outcome(compact) == _outcome(legacy), (variant, scope.name)
+        assert compact.outcome == legacy.outcome, (variant, scope.name)
 
 
 # (TWO_RANKS is left to the prefix test below: its legacy run alone takes ~25 s.)
@@ -304,10 +299,10 @@ def test_compact_engine_agrees_with_legacy_exhaustively(scope: Scope) -> None:
     assert legacy.exhaustive
     for workers in (1, 2):
         compact = check(scope, "kvstate", engine="compact", workers=workers, out_dir=None)
-        assert _outcome(compact) == _outcome(legacy), workers
+        assert compact.outcome == legacy.outcome, workers
     if scope is TWINS_ONE_RANK:  # and without reductions
         plain = check(scope, "kvstate", engine="legacy", out_dir=None, reduce=False)
-        assert _outcome(check(scope, "kvstate", out_dir=None, reduce=False)) == _outcome(plain)
+        assert check(scope, "kvstate", out_dir=None, reduce=False).outcome == plain.outcome
 
 
 @pytest.mark.slow
@@ -320,7 +315,7 @@ def test_compact_engine_agrees_with_legacy_on_every_scope_prefix(name: str) -> N
     for workers in (1, 2):
         compact = check(SCOPES[name], "kvstate", engine="compact", workers=workers,
                         out_dir=None, max_states=600)
-        assert _outcome(compact) == _outcome(legacy), (name, workers)
+        assert compact.outcome == legacy.outcome, (name, workers)
 
 
 @pytest.mark.slow
@@ -729,9 +724,9 @@ def test_workers_start_only_when_a_level_is_wide_enough_to_share(monkeypatch) ->
     monkeypatch.setattr(sim.mc_compact, "_Pool", spy)
     many = check(TINY, "kvstate", out_dir=None, workers=1000)
     assert started == [] and many.workers == 1
-    assert _outcome(many) == _outcome(check(TINY, "kvstate", out_dir=None))
+    assert many.outcome == check(TINY, "kvstate", out_dir=None).outcome
     two = check(TINY, "kvstate", out_dir=None, workers=2)
-    assert started == [2] and two.workers == 2 and _outcome(two) == _outcome(many)
+    assert started == [2] and two.workers == 2 and two.outcome == many.outcome
 
 
 def test_modelcheck_reports_the_processes_that_expanded_states(capsys) -> None:
@@ -772,7 +767,7 @@ def test_a_timed_expander_explores_the_same_states() -> None:
 
     timed = TimedExpander(TINY, "kvstate", True, None)
     r = check_compact(TINY, "kvstate", out_dir=None, expander=timed)
-    assert _outcome(r) == _outcome(check(TINY, "kvstate", out_dir=None))
+    assert r.outcome == check(TINY, "kvstate", out_dir=None).outcome
     assert timed.transitions == r.transitions and timed.seconds["copy"] > 0
     with pytest.raises(ValueError, match="another scope"):
         check_compact(SCOPES["default"], "kvstate", out_dir=None, expander=timed)
@@ -788,12 +783,6 @@ def _small():
     return SimOptions(requests=24)
 
 
-def _deterministic(result) -> dict:
-    from sim.campaign import summary
-
-    return {k: v for k, v in summary(result).items() if k not in ("seconds", "first_found")}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["kvstate", "e1"])
 def test_campaign_result_is_the_same_for_any_number_of_workers(protocol: str) -> None:
@@ -802,7 +791,7 @@ def test_campaign_result_is_the_same_for_any_number_of_workers(protocol: str) ->
     one = campaign(protocol, seeds=6, base=_small(), workers=1)
     two = campaign(protocol, seeds=6, base=_small(), workers=2)
     assert one.runs == two.runs == 6
-    assert _deterministic(one) == _deterministic(two)
+    assert comparable(one) == comparable(two)
     if protocol == "e1":
         assert one.counts and all("--protocol=e1" in c for c in one.first_command.values())
 
@@ -812,7 +801,7 @@ def test_a_parallel_campaign_stops_at_the_same_seed_as_a_sequential_one() -> Non
 
     one = campaign("e1", seeds=8, base=_small(), workers=1, stop_when_found=True)
     three = campaign("e1", seeds=8, base=_small(), workers=3, stop_when_found=True)
-    assert _deterministic(one) == _deterministic(three)
+    assert comparable(one) == comparable(three)
     assert one.runs == 1
 
 
@@ -881,7 +870,7 @@ def test_campaign_on_a_local_ray_instance_matches_local_workers() -> None:
 
     local = campaign("e1", seeds=4, base=_small(), workers=1)
     ray = campaign("e1", seeds=4, base=_small(), ray_address="local")
-    assert _deterministic(ray) == _deterministic(local)
+    assert comparable(ray) == comparable(local)
 
 
 def test_an_exception_in_a_worker_reaches_the_parent(monkeypatch) -> None:
@@ -922,8 +911,8 @@ def test_a_copy_of_the_scope_explores_the_same_states(name: str) -> None:
     scope = SCOPES[name]
     copied = pickle.loads(pickle.dumps(scope))
     assert copied.requests[0].name is not scope.requests[0].name  # what a worker gets
-    assert _outcome(check(copied, "kvstate", out_dir=None)) == _outcome(
-        check(scope, "kvstate", out_dir=None))
+    assert (check(copied, "kvstate", out_dir=None).outcome
+            == check(scope, "kvstate", out_dir=None).outcome)
 
 
 @pytest.mark.slow
@@ -936,7 +925,7 @@ def test_spawned_workers_count_what_one_process_counts(monkeypatch) -> None:
                         lambda: ["spawn"])
     spawned = check(SCOPES["default"], "kvstate", out_dir=None, workers=2)
     assert spawned.workers == 2
-    assert _outcome(spawned) == _outcome(check(SCOPES["default"], "kvstate", out_dir=None))
+    assert spawned.outcome == check(SCOPES["default"], "kvstate", out_dir=None).outcome
 
 
 # ---------------------------------------------------------------------------
@@ -973,10 +962,10 @@ def test_modelcheck_on_a_local_ray_instance_matches_one_process(tmp_path) -> Non
         for actors in (cluster.cpus, cluster.cpus + 1):
             r = check(SCOPES["default"], "kvstate", out_dir=None, workers=actors,
                       cluster=cluster)
-            assert r.workers == actors and _outcome(r) == _outcome(alone), actors
+            assert r.workers == actors and r.outcome == alone.outcome, actors
         found = check(SCOPES["twins"], "save-on-loading-step", out_dir=str(tmp_path),
                       workers=2, cluster=cluster)
-    assert _outcome(found) == _outcome(buggy)
+    assert found.outcome == buggy.outcome
     assert found.violation.trace is not None and replay_trace(found.violation.trace).ok
 
 
