@@ -550,8 +550,8 @@ def bench_tools(protocols: Sequence[str] | None = None, sim_budget: float = 30.0
     out: dict[str, Any] = {}
     rows: Any
     if cluster is not None:
-        remote = cluster.ray.remote(_traced_tool_row)
-        handles = [remote.remote(name, sim_budget, mc_budget) for name in names]
+        submit = cluster.task(_traced_tool_row)
+        handles = [submit(name, sim_budget, mc_budget) for name in names]
         rows = (_land_traces(cluster.get(h), out_dir) for h in handles)
         pool = None
     elif workers <= 1 or len(names) < 2:

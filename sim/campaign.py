@@ -128,10 +128,7 @@ class _Ray:
         from sim.cluster import Cluster
 
         self.cluster = Cluster(address)
-        self.remote = self.cluster.ray.remote(run_seed)
-
-    def submit(self, *args: Any) -> Any:
-        return self.remote.remote(*args)
+        self.submit = self.cluster.task(run_seed)
 
     def result(self, handle: Any) -> SeedOutcome:
         outcome: SeedOutcome = self.cluster.get(handle)

@@ -29,7 +29,19 @@ there at the same version; and since a node with other code would fold its
 findings into the same result, silently, joining a cluster first asks every
 node for a fingerprint of the kvstate and sim sources it imports
 (`code_fingerprint`) and refuses a cluster where any differs from this
-process's, naming the node.
+process's, naming the node. Nodes join a running cluster later too (an
+autoscaler adds them while a campaign runs), so every task and every
+model-checker actor checks its own node again before it does any work
+(`run_checked`, `require_code`: a cached fingerprint, a comparison), and a
+node that fails that check, or cannot import kvstate at all, stops the
+command with a `ClusterError` naming it (`Cluster.get`) instead of folding
+its answer in.
+
+What is the cluster's fault and what is the protocol's: a `ClusterError`
+(no Ray, nothing at the address, a node with other code or none, an actor
+lost for good) is a usage error on the command line (exit 2, no traceback);
+anything else a task raises is the code's own, re-raised with its traceback
+(a crash in the core is a finding).
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -49,9 +61,24 @@ INSTALL_HINT = "pip install 'ray>=2.9' (or the project's ray extra: pip install 
 # ray/_private/node.py, each a GcsClient that waited ~40 s here.
 PROBE_SECONDS = 5.0
 
+# The last line of a task's error when its node could not import what the
+# task needs (kvstate missing, broken, or of another layout there).
+_IMPORT_FAILURES = ("ImportError", "ModuleNotFoundError")
+
 # Ray's single-node switch (ray/_private/ray_constants.py: ENABLE_RAY_CLUSTER):
 # off, every address Ray picks for this machine is the loopback address.
 _SINGLE_NODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+class ClusterError(RuntimeError):
+    """The cluster failed, not the protocol: Ray missing, nothing at the
+    address, a node running other kvstate code or unable to import it, an
+    actor lost for good. The command line makes it a usage error (exit 2)."""
+
+
+class OtherCode(Exception):
+    """Raised on a node, before any work, when it runs other kvstate code
+    than the driver (`run_checked`, `require_code`)."""
 
 
 @contextlib.contextmanager
@@ -106,7 +133,7 @@ def _answers(host: str, port: int) -> OSError | None:
 def _require(address: str, host: str, port: int) -> None:
     why = _answers(host, port)
     if why is not None:
-        raise RuntimeError(f"--ray {address}: no Ray cluster there (nothing answered at "
+        raise ClusterError(f"--ray {address}: no Ray cluster there (nothing answered at "
                            f"{host}:{port} within {PROBE_SECONDS:g} s: {why})")
 
 
@@ -164,6 +191,13 @@ def code_fingerprint() -> str:
 
 def node_code() -> tuple[str, str, str]:
     """What a node runs: (source fingerprint, kvstate's version, Python's)."""
+    return (code_fingerprint(), *_versions())
+
+
+@functools.cache
+def _versions() -> tuple[str, str]:
+    """kvstate's installed version and Python's (cached: every task on a
+    node asks, and reading the installed metadata costs a file search)."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
@@ -171,7 +205,51 @@ def node_code() -> tuple[str, str, str]:
         installed = version("kvstate")
     except PackageNotFoundError:  # run from a checkout, not installed
         installed = "not installed"
-    return code_fingerprint(), installed, platform.python_version()
+    return installed, platform.python_version()
+
+
+def _describe(where: str, code: tuple[str, ...]) -> str:
+    return f"node {where} runs sources {code[0]} (kvstate {code[1]}, Python {code[2]})"
+
+
+def require_code(expected: tuple[str, ...]) -> None:
+    """On a node: raise `OtherCode` unless it runs ``expected`` (the driver's
+    `node_code`). A node checked when the driver joined passes; this is for
+    the nodes that joined since, and for an actor started again elsewhere."""
+    there = node_code()
+    if there != tuple(expected):
+        import ray
+
+        raise OtherCode(_describe(ray.util.get_node_ip_address(), there))
+
+
+def run_checked(expected: tuple[str, ...], fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` as a Ray task, on a node known to run ``expected``
+    (`Cluster.task` submits every task through this)."""
+    require_code(expected)
+    return fn(*args)
+
+
+def node_problem(error: BaseException) -> str | None:
+    """What a Ray error says about a node, if it is the node's fault: it
+    runs other code (`OtherCode`, raised by a task or by an actor's
+    constructor) or could not import what the task needs. None for any
+    other error (the task's own, to be re-raised as it is)."""
+    import re
+
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, OtherCode):
+        return str(cause)
+    text = str(error)
+    marker = f"{OtherCode.__name__}: "
+    if marker in text:  # an actor's constructor: only the text comes back
+        return text.rsplit(marker, 1)[1].splitlines()[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines and lines[-1].startswith(_IMPORT_FAILURES):
+        found = re.search(r"\bip=([^,)\s]+)", text)
+        where = found.group(1) if found else "of the cluster"
+        return f"node {where} cannot run kvstate ({lines[-1]})"
+    return None
 
 
 def _check_code(ray: Any, address: str) -> None:
@@ -195,10 +273,9 @@ def _check_code(ray: Any, address: str) -> None:
                             f"({text.splitlines()[-1] if text else type(e).__name__})")
             continue
         if there != here:
-            problems.append(f"node {where} runs sources {there[0]} (kvstate {there[1]}, "
-                            f"Python {there[2]})")
+            problems.append(_describe(where, there))
     if problems:
-        raise RuntimeError(
+        raise ClusterError(
             f"--ray {address}: the cluster runs other kvstate code than this process "
             f"(sources {here[0]}, kvstate {here[1]}, Python {here[2]}), and its findings "
             f"would be folded in as if they were this code's: {'; '.join(problems)}. "
@@ -210,12 +287,12 @@ class Cluster:
 
     def __init__(self, address: str) -> None:
         if not address:
-            raise RuntimeError("--ray needs an address: 'local' (start one here) or a "
+            raise ClusterError("--ray needs an address: 'local' (start one here) or a "
                                "cluster's, e.g. ray://head:10001 or auto")
         try:
             import ray
         except ImportError as e:
-            raise RuntimeError(f"--ray needs Ray: {INSTALL_HINT}") from e
+            raise ClusterError(f"--ray needs Ray: {INSTALL_HINT}") from e
         self.ray: Any = ray
         self.address = address
         self.started = not ray.is_initialized()
@@ -233,7 +310,7 @@ class Cluster:
                 else:
                     _join(ray, address, options)
             except ConnectionError as e:  # no cluster at that address
-                raise RuntimeError(f"--ray {address}: no Ray cluster there ({e})") from e
+                raise ClusterError(f"--ray {address}: no Ray cluster there ({e})") from e
             if address != "local":  # a private instance runs this process's files
                 try:
                     _check_code(ray, address)
@@ -246,9 +323,30 @@ class Cluster:
         """CPUs the cluster offers (at least 1): how many tasks or actors run at once."""
         return max(1, int(self.ray.cluster_resources().get("CPU", 1)))
 
+    def task(self, fn: Any, **options: Any) -> Callable[..., Any]:
+        """``submit(*args)``: ``fn(*args)`` as a Ray task (``options`` as
+        ``ray.remote`` takes them) that first checks its node runs this
+        process's code (`run_checked`); `get` its handle."""
+        remote = self.ray.remote(**options)(run_checked) if options else \
+            self.ray.remote(run_checked)
+        return functools.partial(remote.remote, node_code(), fn)
+
     def get(self, handle: Any) -> Any:
-        """A task's or actor call's result (its exception re-raised here)."""
-        return self.ray.get(handle)
+        """A task's or actor call's result. Its exception is re-raised here,
+        as a `ClusterError` naming the node when the node was at fault
+        (`node_problem`)."""
+        try:
+            return self.ray.get(handle)
+        except self.ray.exceptions.RayError as e:
+            problem = node_problem(e)
+            if problem is None:
+                raise
+            here = node_code()
+            raise ClusterError(
+                f"--ray {self.address}: {problem}, not this process's code (sources "
+                f"{here[0]}, kvstate {here[1]}, Python {here[2]}); its answers would have "
+                "been folded in as if they were this code's. Install this kvstate on every "
+                "node.") from None
 
     def close(self) -> None:
         """Shut down what this connection started (a joined cluster keeps running)."""
@@ -264,4 +362,5 @@ class Cluster:
         self.close()
 
 
-__all__ = ["INSTALL_HINT", "Cluster", "code_fingerprint", "loopback", "node_code"]
+__all__ = ["INSTALL_HINT", "Cluster", "ClusterError", "OtherCode", "code_fingerprint",
+           "loopback", "node_code", "node_problem", "require_code", "run_checked"]

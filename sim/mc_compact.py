@@ -61,6 +61,7 @@ from typing import Any
 import attrs
 
 from kvstate.variants import get_variant
+from sim.cluster import ClusterError, node_code
 from sim.modelcheck import (
     EXCLUDED_FIELDS,
     NO_FIELDS,
@@ -340,10 +341,15 @@ def _worker(conn: Any, scope: Scope, protocol: str, reduce: bool,
 class _ActorWorker(SliceWorker):
     """A `SliceWorker` as a Ray actor: a process of its own, so the cyclic
     collector is off there as in a local worker (`discard` cuts the cycles;
-    `Expander` still collects every `COLLECT_EVERY` transitions)."""
+    `Expander` still collects every `COLLECT_EVERY` transitions). It first
+    checks that its node runs the driver's ``code`` (an actor started again
+    after its node died may land on a node that joined since)."""
 
     def __init__(self, scope: Scope, protocol: str, reduce: bool,
-                 only: Sequence[str] | None) -> None:
+                 only: Sequence[str] | None, code: tuple[str, ...]) -> None:
+        from sim.cluster import require_code
+
+        require_code(code)
         gc.disable()
         super().__init__(scope, protocol, reduce, only)
 
@@ -352,7 +358,7 @@ class WorkerError(RuntimeError):
     """An exception inside a model-checker worker, with its traceback."""
 
 
-class ActorLost(RuntimeError):
+class ActorLost(ClusterError):
     """A Ray actor of the model checker died for good (`ACTOR_RESTARTS` spent):
     the cluster failed, not the protocol (the command line says so, exit 2)."""
 
@@ -469,7 +475,8 @@ class _RayPool:
         # the result is the same (a test kills actors between levels).
         remote = cluster.ray.remote(num_cpus=share, max_restarts=ACTOR_RESTARTS,
                                     max_task_retries=ACTOR_RESTARTS)(_ActorWorker)
-        self.actors = [remote.remote(scope, protocol, reduce, list(only) if only else None)
+        code = node_code()
+        self.actors = [remote.remote(scope, protocol, reduce, list(only) if only else None, code)
                        for _ in range(workers)]
         self.told = 0
 
@@ -484,8 +491,8 @@ class _RayPool:
             results = [self.cluster.get(h) for h in handles]
         except self.cluster.ray.exceptions.RayActorError as e:
             raise ActorLost(
-                f"a model-checker actor died more than {ACTOR_RESTARTS} times (its node lost, "
-                f"or its process killed): {e}") from e
+                f"--ray {self.cluster.address}: a model-checker actor died more than "
+                f"{ACTOR_RESTARTS} times (its node lost, or its process killed): {e}") from e
         return _fold(slices, results)
 
     def close(self) -> None:

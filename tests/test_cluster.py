@@ -274,3 +274,124 @@ def test_a_campaign_of_several_protocols_connects_once(two_nodes, monkeypatch, c
     out = capsys.readouterr().out
     assert "e1" in out and "kvstate" in out
     assert inits == [two_nodes]
+
+
+# ---------------------------------------------------------------------------
+# Nodes that join a running cluster after this process checked it (an
+# autoscaler adds them while a campaign runs): real nodes whose workers
+# import other files, put first on their path with PYTHONPATH.
+
+
+def _other_sources(root, change: str):
+    """A copy of this checkout's kvstate and sim under ``root``, with
+    ``change`` appended to kvstate's __init__.py (a comment: other code that
+    still runs; a raise: a node that cannot import kvstate at all)."""
+    import shutil
+    from pathlib import Path
+
+    import kvstate
+    import sim
+
+    for package in (kvstate, sim):
+        source = Path(package.__file__).parent
+        shutil.copytree(source, root / source.name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    if change:
+        with open(root / "kvstate" / "__init__.py", "a") as f:
+            f.write("\n" + change + "\n")
+    return root
+
+
+@pytest.fixture
+def growing(tmp_path, monkeypatch):
+    """A running cluster whose head offers no CPU, so that every task and
+    actor runs on the nodes the test adds after joining. This process's
+    working directory moves to an empty one: Ray puts the driver's working
+    directory first on every worker's path, which would hide the nodes'
+    own sources."""
+    from ray.cluster_utils import Cluster as RayCluster
+
+    from sim.cluster import loopback
+
+    here = tmp_path / "driver"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with loopback():
+        nodes = RayCluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": False})
+
+    def add(sources) -> None:
+        with loopback():
+            nodes.add_node(num_cpus=1, env_vars={"PYTHONPATH": str(sources)})
+            nodes.wait_for_nodes()
+
+    yield nodes.address, add
+    if ray.is_initialized():
+        ray.shutdown()
+    nodes.shutdown()
+
+
+def test_a_node_that_joins_later_with_other_code_is_refused(growing, tmp_path, capsys) -> None:
+    """The node joined after the connection's check, so only the tasks'
+    and actors' own check sees it. Before it, the campaign folded the other
+    code's findings in, and the model checker counted its states."""
+    from sim.bench import bench_tools
+    from sim.campaign import campaign
+    from sim.cluster import Cluster, ClusterError
+    from sim.runner import SimOptions
+
+    address, add = growing
+    with Cluster(address) as cluster:  # only the head: it passes the check
+        add(_other_sources(tmp_path / "other", "# another build"))
+        with pytest.raises(ClusterError) as e:
+            campaign("e1", seeds=2, base=SimOptions(requests=24), ray_address=address)
+        message = str(e.value)
+        assert "node 127.0.0.1 runs sources " in message and "Install this kvstate" in message
+        with pytest.raises(ClusterError, match="runs sources"):
+            check(SCOPES["default"], "kvstate", out_dir=None, workers=2, cluster=cluster)
+        with pytest.raises(ClusterError, match="runs sources"):
+            bench_tools(["e1"], sim_budget=1, mc_budget=1, out_dir=str(tmp_path),
+                        cluster=cluster)
+        # The command line, on the connection this process holds: exit 2, no traceback.
+        assert main(["campaign", "--seeds", "2", "--ray", address, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "runs sources" in err and "Traceback" not in err
+
+
+def test_a_node_that_cannot_import_kvstate_is_named(growing, tmp_path) -> None:
+    """At the connection's check (the probe's error) and, for a node that
+    joins after it, from the task that could not start there."""
+    from sim.campaign import campaign
+    from sim.cluster import Cluster, ClusterError
+    from sim.runner import SimOptions
+
+    address, add = growing
+    broken = _other_sources(tmp_path / "broken",
+                            'raise ImportError("kvstate is broken on this node")')
+    with Cluster(address):
+        add(broken)
+        with pytest.raises(ClusterError) as e:
+            campaign("e1", seeds=2, base=SimOptions(requests=24), ray_address=address)
+    assert "node 127.0.0.1 cannot run kvstate (ImportError: kvstate is broken on this node)" \
+        in str(e.value)
+    assert not ray.is_initialized()
+    with pytest.raises(ClusterError) as e:  # now it is there when joining
+        Cluster(address)
+    assert "cannot run kvstate" in str(e.value) and "kvstate is broken on this node" \
+        in str(e.value)
+
+
+def test_a_node_with_the_same_code_that_joins_later_is_used(growing, tmp_path) -> None:
+    """The check refuses only other code: a node with this checkout's
+    sources (a copy, so its own files) runs the campaign."""
+    from sim.campaign import campaign, comparable
+    from sim.cluster import Cluster
+    from sim.runner import SimOptions
+
+    address, add = growing
+    base = SimOptions(requests=24)
+    alone = campaign("e1", seeds=2, base=base)
+    with Cluster(address):
+        add(_other_sources(tmp_path / "same", ""))
+        joined = campaign("e1", seeds=2, base=base, ray_address=address)
+    assert comparable(joined) == comparable(alone)

@@ -29,8 +29,9 @@ def run(args: argparse.Namespace) -> int:
     results = []
     # One connection for every protocol (a campaign uses the one this process
     # holds): `local` starts Ray once, a joined cluster is checked once.
-    # Ray missing or no cluster there is a usage error (exit 2) from here;
-    # anything the campaigns raise is theirs, with its traceback.
+    # The cluster's failures (Ray missing, no cluster there, a node running
+    # other code) are usage errors (exit 2) from here; anything else the
+    # campaigns raise is theirs, with its traceback.
     with ray_cluster(args.ray) as cluster:
         for protocol in args.protocol or ["kvstate"]:
             with progress_for(args, label=protocol,

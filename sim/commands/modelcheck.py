@@ -55,12 +55,7 @@ def run(args: argparse.Namespace) -> int:
             from sim.mc_compact import default_workers
 
             workers = default_workers() if args.engine == "compact" else 1
-        from sim.mc_compact import ActorLost
-
-        try:
-            return _check_all(args, names, protocols, workers, cluster)
-        except ActorLost as e:
-            raise UsageError(f"--ray {args.ray}: {e}") from e
+        return _check_all(args, names, protocols, workers, cluster)
 
 
 def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str], workers: int,

@@ -7,6 +7,8 @@ value named); ``validate_options`` checks a whole configuration before any work.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from kvstate.variants import VARIANTS
@@ -149,18 +151,25 @@ def add_protocols(parser: argparse.ArgumentParser, *, budget: bool = True) -> No
                             help="seconds per protocol")
 
 
-def ray_cluster(address: str | None) -> Any:
+@contextlib.contextmanager
+def ray_cluster(address: str | None) -> Iterator[Any]:
     """The ``--ray ADDRESS`` connection (`sim.cluster.Cluster`, one for the
-    whole command), or a context holding ``None`` without the option. Ray
-    missing, or no cluster at the address, is a usage error (exit 2) that
-    says which."""
-    import contextlib
-
+    whole command), or ``None`` without the option. The cluster's own
+    failures (`sim.cluster.ClusterError`: Ray missing, no cluster at the
+    address, a node with other code, an actor lost), when connecting or
+    while the command runs, are usage errors (exit 2) that say which;
+    anything else the command raises is its own, with its traceback."""
     if address is None:
-        return contextlib.nullcontext()
-    from sim.cluster import Cluster
+        yield None
+        return
+    from sim.cluster import Cluster, ClusterError
 
     try:
-        return Cluster(address)
-    except RuntimeError as e:
+        cluster = Cluster(address)
+    except ClusterError as e:
         raise UsageError(str(e)) from e
+    with cluster:
+        try:
+            yield cluster
+        except ClusterError as e:
+            raise UsageError(str(e)) from e
