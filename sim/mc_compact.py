@@ -61,7 +61,8 @@ from typing import Any
 import attrs
 
 from kvstate.variants import get_variant
-from sim.cluster import ClusterError, node_code
+from sim.cluster import ClusterError, code_fingerprint, node_code
+from sim.mc_checkpoint import Checkpoint, save
 from sim.modelcheck import (
     EXCLUDED_FIELDS,
     NO_FIELDS,
@@ -508,23 +509,45 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                   max_states: int | None = None, reduce: bool = True,
                   out_dir: str | None = ".", progress: Callable[[Result], None] | None = None,
                   only: Sequence[str] | None = None, workers: int = 1,
-                  expander: Expander | None = None, cluster: Any = None) -> Result:
+                  expander: Expander | None = None, cluster: Any = None,
+                  stop: Callable[[], bool] | None = None, checkpoint: str | None = None,
+                  checkpoint_every: float = 300.0, resume: Checkpoint | None = None) -> Result:
     """`sim.modelcheck.check` with the compact engine (see the module docstring).
     ``expander``: this process's (a `TimedExpander` to time the phases).
     ``cluster``: a `sim.cluster.Cluster`; the ``workers`` are then Ray actors
-    on it instead of local processes."""
+    on it instead of local processes.
+
+    ``stop``: asked before each frontier state is merged; true ends the
+    search there (``Result.interrupted``; the command line's first Ctrl-C).
+    ``checkpoint``: a file the search is written to (`sim.mc_checkpoint`)
+    when a level ends and ``checkpoint_every`` seconds passed since the last
+    write, and whenever the search stops before its end (stop, budget,
+    max_states). ``resume``: a checkpoint to go on from instead of the
+    initial state (of this scope, protocol, reduction and ``only``): the
+    result is the one an uninterrupted search gives, its ``seconds``
+    counting every run."""
     get_variant(protocol)  # a clear error for an unknown name, before any work
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
     result = Result(scope.name, protocol)
     with _Collector():
-        start = initial(scope, protocol, reduce=reduce, only=only)
-        key = state_key(start, reduce)
-        blob = pickle.dumps(start, protocol=5)
-        discard(start)
-        parents: dict[bytes, tuple[bytes, Action] | None] = {key: None}
-        order: list[bytes] = [key]  # keys in discovery order (what workers are told)
-        level: list[tuple[bytes, bytes]] = [(key, blob)]
+        parents: dict[bytes, tuple[bytes, Action] | None]
+        if resume is None:
+            start = initial(scope, protocol, reduce=reduce, only=only)
+            key = state_key(start, reduce)
+            blob = pickle.dumps(start, protocol=5)
+            discard(start)
+            parents = {key: None}
+            level: list[tuple[bytes, bytes]] = [(key, blob)]
+            following: list[tuple[bytes, bytes]] = []
+            depth = 0
+            before = 0.0
+        else:
+            parents = dict(resume.parents)
+            level, following, depth = list(resume.rest), list(resume.following), resume.depth
+            result.transitions, result.quiet_states = resume.transitions, resume.quiet_states
+            result.depth, before = resume.max_depth, resume.seconds
+        order: list[bytes] = list(parents)  # keys in discovery order (what workers are told)
         if expander is None:
             expander = Expander(scope, protocol, reduce, only)
         elif expander.scope != scope or expander.reduce != reduce:
@@ -532,20 +555,37 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
         # Started at the first level wide enough to share (`_batches`): a
         # scope that never gets one forks nothing, whatever the core count.
         pool = _LazyPool(workers, scope, protocol, reduce, only, cluster)
-        started = last_report = time.perf_counter()
-        depth = 0
+        started = last_report = last_saved = time.perf_counter()
+
+        def write(rest: list[tuple[bytes, bytes]], after: list[tuple[bytes, bytes]]) -> None:
+            assert checkpoint is not None
+            save(checkpoint, Checkpoint(
+                scope, protocol, reduce, tuple(only) if only else None, code_fingerprint(),
+                parents, rest, after, depth, result.transitions, result.quiet_states,
+                result.depth, before + time.perf_counter() - started))
+
+        if checkpoint is not None:
+            # At once: a path that cannot be written fails before any work,
+            # not after hours of it.
+            write(level, following)
         stopped = False
         try:
-            while level and not stopped:
+            while (level or following) and not stopped:
+                if not level:  # resumed at a level's end
+                    level, following, depth = following, [], depth + 1
                 results = _batches(pool, expander, level, order, parents)
-                following: list[tuple[bytes, bytes]] = []
                 for index, e in enumerate(results):
-                    if budget is not None and time.perf_counter() - started > budget:
+                    if stop is not None and stop():
+                        result.interrupted = stopped = True
+                    elif budget is not None and time.perf_counter() - started > budget:
                         stopped = True
                     elif max_states is not None and len(parents) >= max_states:
                         stopped = True
                     if stopped:
-                        following = level[index:] + following  # not expanded: not exhaustive
+                        # Not expanded: not exhaustive, and where a resumed search goes on.
+                        level = level[index:]
+                        if checkpoint is not None:
+                            write(level, following)
                         break
                     parent = level[index][0]
                     result.depth = max(result.depth, depth)
@@ -574,16 +614,21 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                             break
                     if progress is not None and time.perf_counter() - last_report > 5:
                         last_report = time.perf_counter()
-                        result.states, result.seconds = len(parents), last_report - started
+                        result.states = len(parents)
+                        result.seconds = before + last_report - started
                         progress(result)
-                level = following
-                depth += 1
+                else:  # the level is done
+                    level, following, depth = following, [], depth + 1
+                    if checkpoint is not None and (
+                            time.perf_counter() - last_saved >= checkpoint_every):
+                        write(level, following)
+                        last_saved = time.perf_counter()
         finally:
             pool.close()
             result.workers = pool.started()
     result.states = len(parents)
-    result.seconds = time.perf_counter() - started
-    result.exhaustive = not level and result.violation is None
+    result.seconds = before + time.perf_counter() - started
+    result.exhaustive = not level and not following and result.violation is None
     return result
 
 

@@ -620,6 +620,9 @@ class Result:
     # Processes that expanded states (the compact engine starts its workers
     # only once a level is wide enough to share; the legacy loop is one).
     workers: int = 1
+    # Ended by the caller's ``stop`` (the command line's Ctrl-C), not by its
+    # end, a violation or a budget.
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -650,7 +653,9 @@ def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = Non
           max_states: int | None = None, reduce: bool = True, out_dir: str | None = ".",
           progress: Callable[[Result], None] | None = None,
           only: Sequence[str] | None = None, engine: str = "compact",
-          workers: int = 1, cluster: Any = None) -> Result:
+          workers: int = 1, cluster: Any = None, stop: Callable[[], bool] | None = None,
+          checkpoint: str | None = None, checkpoint_every: float = 300.0,
+          resume: Any = None) -> Result:
     """Explore ``scope`` under ``protocol`` breadth-first; stop at the first
     violation (which is then a shortest one), when every reachable state was
     visited, or when ``budget`` seconds / ``max_states`` run out.
@@ -660,19 +665,25 @@ def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = Non
     original loop, kept for the differential test: both must agree on
     verdicts, state counts and counterexample lengths). ``cluster``: a
     `sim.cluster.Cluster` (compact engine): the ``workers`` are Ray actors
-    there, the same answer again."""
+    there, the same answer again. ``stop``, ``checkpoint``,
+    ``checkpoint_every`` and ``resume`` (a `sim.mc_checkpoint.Checkpoint`):
+    a search that stops and goes on, compact engine only (`check_compact`)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown model-checker engine {engine!r}; known: {', '.join(ENGINES)}")
     if engine == "legacy" and (workers != 1 or cluster is not None):
         what = f"workers={workers}" if workers != 1 else "a Ray cluster"
         raise ValueError(f"{what} needs the compact engine (the legacy loop runs in one "
                          "process)")
+    if engine == "legacy" and (stop or checkpoint or resume):
+        raise ValueError("stopping, checkpoints and resuming need the compact engine")
     if engine == "compact":
         from sim.mc_compact import check_compact
 
         return check_compact(scope, protocol, budget=budget, max_states=max_states,
                              reduce=reduce, out_dir=out_dir, progress=progress, only=only,
-                             workers=workers, cluster=cluster)
+                             workers=workers, cluster=cluster, stop=stop,
+                             checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                             resume=resume)
     return _check_legacy(scope, protocol, budget=budget, max_states=max_states, reduce=reduce,
                          out_dir=out_dir, progress=progress, only=only)
 

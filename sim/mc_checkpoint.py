@@ -1,0 +1,145 @@
+"""Model-checker checkpoints: a long search that can stop and go on.
+
+A scope that takes hours (``large``, or a wider one on a cluster) is lost
+whole to a Ctrl-C, a budget, a driver restarted or a machine taken back,
+unless the search can be written down and picked up again. The compact
+engine (`sim.mc_compact`) searches level by level and merges in frontier
+order, so its whole state between two frontier states is small and plain:
+
+* ``parents``: every key visited, with the key and action it was reached by
+  (the insertion order is the discovery order the workers are told);
+* ``rest``: the current level's states not expanded yet, as (key, pickled
+  state), in frontier order;
+* ``following``: the next level's states found so far;
+* ``depth`` and the counters of the `sim.modelcheck.Result` so far.
+
+Going on from exactly that makes the same merges in the same order, so a
+resumed search ends with the same states, transitions, depth, verdict and
+shortest counterexample as one that never stopped, whatever the number of
+workers on either side (`tests/test_modelcheck.py` interrupts searches at
+several points and compares). The workers' own key sets are not saved: a
+worker knowing fewer keys only pickles more children, never other ones.
+
+A checkpoint holds pickled core objects, so it only means something to the
+same code: it records `sim.cluster.code_fingerprint` and refuses to resume
+under other sources (the states would load into other classes, and their
+digests would differ). Like every pickle, loading one runs code: resume only
+checkpoints you wrote. Files are written whole or not at all (a temporary
+file beside it, then a rename), so a crash while writing leaves the previous
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Sequence
+
+import attrs
+
+from sim.modelcheck import Action, Scope
+
+# Bumped whenever the fields below change meaning: an older file is refused
+# with both numbers rather than misread.
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed here: unreadable, not one, another
+    format, other code, or another search than the one asked for."""
+
+
+@attrs.frozen
+class Checkpoint:
+    """One search, stopped between two frontier states (module docstring)."""
+
+    scope: Scope
+    protocol: str
+    reduce: bool
+    only: tuple[str, ...] | None
+    code: str  # sim.cluster.code_fingerprint() of the writer
+    parents: dict[bytes, tuple[bytes, Action] | None]
+    rest: list[tuple[bytes, bytes]]
+    following: list[tuple[bytes, bytes]]
+    depth: int  # of the states in ``rest``
+    transitions: int
+    quiet_states: int
+    max_depth: int  # Result.depth so far
+    seconds: float  # searched before this checkpoint, all runs together
+    format: int = FORMAT
+
+    def describe(self) -> str:
+        waiting = len(self.rest) + len(self.following)
+        return (f"{self.protocol}/{self.scope.name}: {len(self.parents)} states, "
+                f"{self.transitions} transitions, depth {self.depth}, {waiting} states "
+                f"waiting, {self.seconds:.1f} s searched")
+
+
+def save(path: str, checkpoint: Checkpoint) -> None:
+    """Write ``checkpoint`` to ``path`` whole or not at all."""
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            pickle.dump(checkpoint, f, protocol=5)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except OSError as e:  # named by the user's path, not the temporary one
+        raise OSError(e.errno, f"cannot write the checkpoint ({e.strerror})", path) from e
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def load(path: str) -> Checkpoint:
+    """The checkpoint at ``path``, or a `CheckpointError` saying what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+            if head[:1] != b"\x80":  # every pickle of protocol 2 or later starts so
+                raise CheckpointError(f"{path}: not a model-checker checkpoint (it does not "
+                                      "start like one)")
+            f.seek(0)
+            found = pickle.load(f)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from e
+    except Exception as e:  # truncated, or pickled classes this code does not have
+        raise CheckpointError(f"{path}: not a readable model-checker checkpoint "
+                              f"({type(e).__name__}: {e})") from e
+    if not isinstance(found, Checkpoint):
+        raise CheckpointError(f"{path}: not a model-checker checkpoint (it holds a "
+                              f"{type(found).__name__})")
+    if found.format != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {found.format}; this kvstate "
+                              f"reads format {FORMAT}")
+    from sim.cluster import code_fingerprint
+
+    here = code_fingerprint()
+    if found.code != here:
+        raise CheckpointError(
+            f"{path}: written by other kvstate code (sources {found.code}; these are "
+            f"{here}): its states would not load or digest the same. Resume it with the "
+            "code that wrote it, or start the search again")
+    return found
+
+
+def require_same(checkpoint: Checkpoint, path: str, scope: Scope, protocol: str, reduce: bool,
+                 only: Sequence[str] | None) -> None:
+    """Refuse to go on with another search than the checkpoint's."""
+    if scope != checkpoint.scope:
+        differs = "the same name, other contents" if scope.name == checkpoint.scope.name \
+            else repr(checkpoint.scope.name)
+        raise CheckpointError(f"{path}: a checkpoint of another scope ({differs}), not "
+                              f"{scope.name!r}")
+    asked = (protocol, reduce, tuple(only) if only else None)
+    saved = (checkpoint.protocol, checkpoint.reduce, checkpoint.only)
+    for what, mine, theirs in zip(("protocol", "reduction", "invariants"), asked, saved):
+        if mine != theirs:
+            raise CheckpointError(f"{path}: a checkpoint of another search ({what} "
+                                  f"{theirs!r}, not {mine!r})")
+
+
+__all__ = ["FORMAT", "Checkpoint", "CheckpointError", "load", "require_same", "save"]

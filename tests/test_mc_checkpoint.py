@@ -1,0 +1,176 @@
+"""A model-checker search that stops (Ctrl-C, a budget, a state limit) and
+goes on later from its checkpoint ends exactly as one that never stopped."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sim.cli import main
+from sim.mc_checkpoint import CheckpointError, load
+from sim.modelcheck import SCOPES, check
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _after(merges: int):
+    """A ``stop`` that says yes from the ``merges``-th frontier state on."""
+    asked = itertools.count()
+    return lambda: next(asked) >= merges
+
+
+def _in_pieces(scope: str, protocol: str, path: str, merges: int, workers=(1, 2)) -> tuple:
+    """Search ``scope`` stopping every ``merges`` frontier states and going
+    on from the checkpoint, alternating the number of workers; the final
+    result and how many runs it took."""
+    r = check(SCOPES[scope], protocol, out_dir=None, workers=workers[0], stop=_after(merges),
+              checkpoint=path)
+    runs = 1
+    while r.interrupted:
+        r = check(SCOPES[scope], protocol, out_dir=None, workers=workers[runs % 2],
+                  stop=_after(merges), checkpoint=path, resume=load(path))
+        runs += 1
+    return r, runs
+
+
+@pytest.mark.parametrize("scope, protocol, merges", [
+    ("default", "kvstate", 250),                 # exhaustive, clean
+    ("twins", "save-on-loading-step", 40),       # its violation found after resuming
+    ("pd", "kvstate", 40),                       # a P/D scope, clean
+])
+def test_a_search_stopped_again_and_again_ends_as_one_that_never_stopped(
+        tmp_path, scope, protocol, merges) -> None:
+    whole = check(SCOPES[scope], protocol, out_dir=None)
+    pieces, runs = _in_pieces(scope, protocol, str(tmp_path / "search.ckpt"), merges)
+    assert runs > 2  # it really stopped, more than once
+    assert pieces.outcome == whole.outcome
+    assert pieces.interrupted is False
+
+
+def test_a_budget_stop_leaves_a_checkpoint_to_go_on_from(tmp_path) -> None:
+    path = str(tmp_path / "b.ckpt")
+    first = check(SCOPES["default"], "kvstate", out_dir=None, max_states=600, checkpoint=path)
+    assert not first.exhaustive and not first.interrupted
+    saved = load(path)
+    assert len(saved.parents) == first.states and saved.transitions == first.transitions
+    rest = check(SCOPES["default"], "kvstate", out_dir=None, resume=saved)
+    assert rest.outcome == check(SCOPES["default"], "kvstate", out_dir=None).outcome
+
+
+def test_checkpoints_are_written_as_levels_end(tmp_path) -> None:
+    """With no pause between them, the file holds the last level reached
+    (nothing waiting after the last one): going on from it finds nothing new."""
+    path = str(tmp_path / "l.ckpt")
+    whole = check(SCOPES["tiny"], "kvstate", out_dir=None, checkpoint=path,
+                  checkpoint_every=0.0)
+    saved = load(path)
+    assert len(saved.parents) == whole.states and not saved.rest and not saved.following
+    assert check(SCOPES["tiny"], "kvstate", out_dir=None, resume=saved).outcome == whole.outcome
+
+
+def test_a_checkpoint_of_other_code_or_another_search_is_refused(tmp_path, monkeypatch) -> None:
+    import sim.cluster
+    from sim.mc_checkpoint import require_same
+
+    path = str(tmp_path / "o.ckpt")
+    check(SCOPES["tiny"], "kvstate", out_dir=None, max_states=5, checkpoint=path)
+    saved = load(path)
+    with pytest.raises(CheckpointError, match="another scope"):
+        require_same(saved, path, SCOPES["default"], "kvstate", True, None)
+    with pytest.raises(CheckpointError, match="protocol 'kvstate', not 'e2'"):
+        require_same(saved, path, SCOPES["tiny"], "e2", True, None)
+    monkeypatch.setattr(sim.cluster, "code_fingerprint", lambda: "0" * 16)
+    with pytest.raises(CheckpointError, match="written by other kvstate code"):
+        load(path)
+
+
+def test_bad_checkpoints_are_usage_errors_that_say_what_is_wrong(tmp_path, capsys) -> None:
+    good = str(tmp_path / "good.ckpt")
+    assert main(["modelcheck", "--scope", "tiny", "--max-states", "5", "--checkpoint", good,
+                 "--no-progress"]) == 0
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(Path(good).read_bytes()[:500])
+    other = tmp_path / "dict.ckpt"
+    other.write_bytes(pickle.dumps({"states": 1}))
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    cases = [
+        (["--resume", str(tmp_path / "missing.ckpt")], "cannot open (No such file"),
+        (["--resume", str(text)], "not a model-checker checkpoint (it does not start like"),
+        (["--resume", str(truncated)], "not a readable model-checker checkpoint"),
+        (["--resume", str(other)], "not a model-checker checkpoint (it holds a dict)"),
+        (["--resume", good, "--scope", "default"], "a checkpoint of scope 'tiny', not"),
+        (["--resume", good, "--protocol", "e2"], "a checkpoint of protocol 'kvstate'"),
+        (["--resume", good, "--no-reduction"], "--no-reduction would be another one"),
+        (["--resume", good, "--engine", "legacy"], "--resume needs the compact engine"),
+        (["--scope", "all", "--checkpoint", good], "--checkpoint holds one search"),
+        (["--scope", "tiny", "--checkpoint", str(tmp_path / "no" / "such.ckpt")],
+         f"{tmp_path / 'no' / 'such.ckpt'}: cannot write the checkpoint"),
+    ]
+    for argv, expected in cases:
+        assert main(["modelcheck", *argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, (argv, err)
+    assert Path(good).read_bytes()[:1] == b"\x80"  # none of that touched the good one
+
+
+def test_the_command_line_goes_on_from_a_budget_stop(tmp_path, capsys) -> None:
+    path = str(tmp_path / "cli.ckpt")
+    assert main(["modelcheck", "--scope", "default", "--max-states", "800", "--checkpoint",
+                 path, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT exhaustive (budget)" in out and f"--resume {path}" in out
+    assert main(["modelcheck", "--resume", path, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    whole = check(SCOPES["default"], "kvstate", out_dir=None)
+    assert (run["scope"], run["states"], run["transitions"], run["exhaustive"]) == (
+        "default", whole.states, whole.transitions, True)
+    assert run["interrupted"] is False and run["checkpoint"] is None
+
+
+def _with_ctrl_c_delivered() -> None:
+    # A test run in the background inherits SIGINT ignored (tests/test_interrupt.py).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_search_keeps_what_it_found_and_it_goes_on(tmp_path, capsys) -> None:
+    """The first Ctrl-C ends the search at the next state: its figures are
+    printed, the checkpoint written, exit 130; ``--resume`` finishes it with
+    the figures of a search never interrupted."""
+    path = str(tmp_path / "c.ckpt")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sim.cli", "modelcheck", "--scope", "decode2", "--workers", "2",
+         "--checkpoint", path, "--no-progress"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_with_ctrl_c_delivered)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the first checkpoint is written as the search starts
+        time.sleep(1.5)
+        assert proc.poll() is None, "the search ended before it was interrupted"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "stopping at the next state" in err and "Traceback" not in err
+    assert "NOT exhaustive (interrupted)" in out and f"--resume {path}" in out
+    saved = load(path)
+    whole = check(SCOPES["decode2"], "kvstate", out_dir=None, workers=2)
+    assert 0 < len(saved.parents) < whole.states
+    assert main(["modelcheck", "--resume", path, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert (run["states"], run["transitions"], run["depth"], run["exhaustive"]) == (
+        whole.states, whole.transitions, whole.depth, True)
