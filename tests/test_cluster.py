@@ -395,3 +395,54 @@ def test_a_node_with_the_same_code_that_joins_later_is_used(growing, tmp_path) -
         add(_other_sources(tmp_path / "same", ""))
         joined = campaign("e1", seeds=2, base=base, ray_address=address)
     assert comparable(joined) == comparable(alone)
+
+
+def test_a_search_stopped_on_the_cluster_goes_on_here_and_back(two_nodes, tmp_path) -> None:
+    """A checkpoint is the driver's: written while the levels were expanded
+    by actors on two nodes, it goes on in this process alone, and back on
+    the cluster, to the answer of a search that never stopped."""
+    import itertools
+
+    from sim.cluster import Cluster
+    from sim.mc_checkpoint import load
+
+    def after(merges):
+        asked = itertools.count()
+        return lambda: next(asked) >= merges
+
+    path = str(tmp_path / "c.ckpt")
+    whole = check(SCOPES["default"], "kvstate", out_dir=None)
+    with Cluster(two_nodes) as cluster:
+        first = check(SCOPES["default"], "kvstate", out_dir=None, workers=2, cluster=cluster,
+                      stop=after(600), checkpoint=path)
+        assert first.interrupted and first.workers == 2
+        here = check(SCOPES["default"], "kvstate", out_dir=None, stop=after(600),
+                     checkpoint=path, resume=load(path))
+        assert here.interrupted
+        back = check(SCOPES["default"], "kvstate", out_dir=None, workers=2, cluster=cluster,
+                     checkpoint=path, resume=load(path))
+    assert back.outcome == whole.outcome
+
+
+def test_bench_tools_on_two_nodes_matches_one_process(two_nodes, tmp_path) -> None:
+    """A variant's row as a task on the cluster: the same findings as here,
+    and its counterexample traces land in this process's ``out_dir`` (the
+    node wrote them in a scratch directory of its own) and replay."""
+    from sim.bench import bench_tools
+    from sim.cluster import Cluster
+    from sim.replay import replay_trace
+
+    def findings(rows):
+        return {name: {tool: {k: v for k, v in row[tool].items()
+                              if k not in ("seconds", "trace")} if isinstance(row[tool], dict)
+                       else row[tool] for tool in row} for name, row in rows.items()}
+
+    here = bench_tools(["e1", "key-without-rank"], sim_budget=20, mc_budget=20,
+                       out_dir=str(tmp_path / "here"))
+    with Cluster(two_nodes) as cluster:
+        there = bench_tools(["e1", "key-without-rank"], sim_budget=20, mc_budget=20,
+                            out_dir=str(tmp_path / "there"), cluster=cluster)
+    assert findings(there) == findings(here)
+    for row in there.values():
+        trace = row["modelcheck"]["trace"]
+        assert trace.startswith(str(tmp_path / "there")) and replay_trace(trace).ok
