@@ -37,11 +37,14 @@ from collections.abc import Sequence
 
 import attrs
 
+from sim.mc_frontier import Frontier
 from sim.modelcheck import Action, Scope
 
-# Bumped whenever the fields below change meaning: an older file is refused
+# Bumped whenever the layout below changes meaning: an older file is refused
 # with both numbers rather than misread.
-FORMAT = 1
+FORMAT = 2
+# The first thing in the file, with the format: what says it is one at all.
+MAGIC = "kvstate model-checker checkpoint"
 
 
 class CheckpointError(ValueError):
@@ -59,14 +62,13 @@ class Checkpoint:
     only: tuple[str, ...] | None
     code: str  # sim.cluster.code_fingerprint() of the writer
     parents: dict[bytes, tuple[bytes, Action] | None]
-    rest: list[tuple[bytes, bytes]]
-    following: list[tuple[bytes, bytes]]
     depth: int  # of the states in ``rest``
     transitions: int
     quiet_states: int
     max_depth: int  # Result.depth so far
     seconds: float  # searched before this checkpoint, all runs together
-    format: int = FORMAT
+    rest: Frontier = attrs.field(factory=Frontier)
+    following: Frontier = attrs.field(factory=Frontier)
 
     def describe(self) -> str:
         waiting = len(self.rest) + len(self.following)
@@ -75,13 +77,31 @@ class Checkpoint:
                 f"waiting, {self.seconds:.1f} s searched")
 
 
+# What the file holds, in order, each pickled on its own: (MAGIC, FORMAT),
+# the fields of a `Checkpoint` but its two frontiers (a dict), then each
+# frontier as its count and that many (key, pickled state) pairs. A level
+# is streamed from or to its frontier, so a level on disk (`Frontier`) never
+# needs to fit in memory to be saved or resumed.
+_FRONTIERS = ("rest", "following")
+
+
 def save(path: str, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint`` to ``path`` whole or not at all."""
     folder = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    header = {f.name: getattr(checkpoint, f.name) for f in attrs.fields(Checkpoint)
+              if f.name not in _FRONTIERS}
     try:
         with open(temporary, "wb") as f:
-            pickle.dump(checkpoint, f, protocol=5)
+            pickler = pickle.Pickler(f, protocol=5)
+            pickler.dump((MAGIC, FORMAT))
+            pickler.dump(header)
+            for name in _FRONTIERS:
+                frontier: Frontier = getattr(checkpoint, name)
+                pickler.dump(len(frontier))
+                for state in frontier:
+                    pickler.dump(state)
+                    pickler.clear_memo()
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
@@ -93,15 +113,30 @@ def save(path: str, checkpoint: Checkpoint) -> None:
 
 
 def load(path: str) -> Checkpoint:
-    """The checkpoint at ``path``, or a `CheckpointError` saying what is wrong."""
+    """The checkpoint at ``path``, or a `CheckpointError` saying what is wrong.
+    Its frontiers are read into `Frontier`s (on disk past their limit)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(2)
-            if head[:1] != b"\x80":  # every pickle of protocol 2 or later starts so
+            if f.read(1) != b"\x80":  # every pickle of protocol 2 or later starts so
                 raise CheckpointError(f"{path}: not a model-checker checkpoint (it does not "
                                       "start like one)")
             f.seek(0)
-            found = pickle.load(f)
+            unpickler = pickle.Unpickler(f)
+            head = unpickler.load()
+            if not (isinstance(head, tuple) and len(head) == 2 and head[0] == MAGIC):
+                raise CheckpointError(f"{path}: not a model-checker checkpoint (it starts "
+                                      f"with a {type(head).__name__})")
+            if head[1] != FORMAT:
+                raise CheckpointError(f"{path}: checkpoint format {head[1]}; this kvstate "
+                                      f"reads format {FORMAT}")
+            header = unpickler.load()
+            _same_code(path, header.get("code") if isinstance(header, dict) else None)
+            rest, following = Frontier(), Frontier()
+            for frontier in (rest, following):
+                for _ in range(int(unpickler.load())):
+                    key, blob = unpickler.load()
+                    frontier.append(key, blob)
+            return Checkpoint(**header, rest=rest, following=following)
     except CheckpointError:
         raise
     except OSError as e:
@@ -109,21 +144,17 @@ def load(path: str) -> Checkpoint:
     except Exception as e:  # truncated, or pickled classes this code does not have
         raise CheckpointError(f"{path}: not a readable model-checker checkpoint "
                               f"({type(e).__name__}: {e})") from e
-    if not isinstance(found, Checkpoint):
-        raise CheckpointError(f"{path}: not a model-checker checkpoint (it holds a "
-                              f"{type(found).__name__})")
-    if found.format != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {found.format}; this kvstate "
-                              f"reads format {FORMAT}")
+
+
+def _same_code(path: str, code: object) -> None:
     from sim.cluster import code_fingerprint
 
     here = code_fingerprint()
-    if found.code != here:
+    if code != here:
         raise CheckpointError(
-            f"{path}: written by other kvstate code (sources {found.code}; these are "
+            f"{path}: written by other kvstate code (sources {code}; these are "
             f"{here}): its states would not load or digest the same. Resume it with the "
             "code that wrote it, or start the search again")
-    return found
 
 
 def require_same(checkpoint: Checkpoint, path: str, scope: Scope, protocol: str, reduce: bool,
@@ -142,4 +173,5 @@ def require_same(checkpoint: Checkpoint, path: str, scope: Scope, protocol: str,
                                   f"{theirs!r}, not {mine!r})")
 
 
-__all__ = ["FORMAT", "Checkpoint", "CheckpointError", "load", "require_same", "save"]
+__all__ = ["FORMAT", "MAGIC", "Checkpoint", "CheckpointError", "load", "require_same",
+           "save"]

@@ -63,6 +63,7 @@ import attrs
 from kvstate.variants import get_variant
 from sim.cluster import ClusterError, code_fingerprint, node_code
 from sim.mc_checkpoint import Checkpoint, save
+from sim.mc_frontier import Frontier
 from sim.modelcheck import (
     EXCLUDED_FIELDS,
     NO_FIELDS,
@@ -538,13 +539,12 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
             blob = pickle.dumps(start, protocol=5)
             discard(start)
             parents = {key: None}
-            level: list[tuple[bytes, bytes]] = [(key, blob)]
-            following: list[tuple[bytes, bytes]] = []
+            level, following = Frontier([(key, blob)]), Frontier()
             depth = 0
             before = 0.0
         else:
             parents = dict(resume.parents)
-            level, following, depth = list(resume.rest), list(resume.following), resume.depth
+            level, following, depth = resume.rest, resume.following, resume.depth
             result.transitions, result.quiet_states = resume.transitions, resume.quiet_states
             result.depth, before = resume.max_depth, resume.seconds
         order: list[bytes] = list(parents)  # keys in discovery order (what workers are told)
@@ -552,17 +552,17 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
             expander = Expander(scope, protocol, reduce, only)
         elif expander.scope != scope or expander.reduce != reduce:
             raise ValueError("the expander was made for another scope or reduction")
-        # Started at the first level wide enough to share (`_batches`): a
+        # Started at the first level wide enough to share (`_expanded`): a
         # scope that never gets one forks nothing, whatever the core count.
         pool = _LazyPool(workers, scope, protocol, reduce, only, cluster)
         started = last_report = last_saved = time.perf_counter()
 
-        def write(rest: list[tuple[bytes, bytes]], after: list[tuple[bytes, bytes]]) -> None:
+        def write(rest: Frontier, after: Frontier) -> None:
             assert checkpoint is not None
             save(checkpoint, Checkpoint(
                 scope, protocol, reduce, tuple(only) if only else None, code_fingerprint(),
-                parents, rest, after, depth, result.transitions, result.quiet_states,
-                result.depth, before + time.perf_counter() - started))
+                parents, depth, result.transitions, result.quiet_states, result.depth,
+                before + time.perf_counter() - started, rest, after))
 
         if checkpoint is not None:
             # At once: a path that cannot be written fails before any work,
@@ -572,53 +572,64 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
         try:
             while (level or following) and not stopped:
                 if not level:  # resumed at a level's end
-                    level, following, depth = following, [], depth + 1
-                results = _batches(pool, expander, level, order, parents)
-                for index, e in enumerate(results):
-                    if stop is not None and stop():
-                        result.interrupted = stopped = True
-                    elif budget is not None and time.perf_counter() - started > budget:
-                        stopped = True
-                    elif max_states is not None and len(parents) >= max_states:
-                        stopped = True
-                    if stopped:
-                        # Not expanded: not exhaustive, and where a resumed search goes on.
-                        level = level[index:]
-                        if checkpoint is not None:
-                            write(level, following)
-                        break
-                    parent = level[index][0]
-                    result.depth = max(result.depth, depth)
-                    for action, child, child_blob in e.children:
-                        result.transitions += 1
-                        if child not in parents:
-                            assert child_blob is not None, "a worker skipped an unknown state"
-                            parents[child] = (parent, action)
-                            order.append(child)
-                            following.append((child, child_blob))
-                    if e.violation is not None:
-                        result.transitions += 1
-                        action, invariant, message = e.violation
-                        result.violation = violation_at(scope, protocol, parents, parent, action,
-                                                        invariant, message, out_dir)
-                        stopped = True
-                        break
-                    if e.quiet:
-                        result.quiet_states += 1
-                        if e.quiet_violation is not None:
-                            invariant, message = e.quiet_violation
+                    level, following, depth = following, Frontier(), depth + 1
+                batches = level.batches(BATCH * workers)
+                for batch in batches:
+                    for index, e in enumerate(_expanded(pool, expander, level, batch, order,
+                                                        parents)):
+                        if stop is not None and stop():
+                            result.interrupted = stopped = True
+                        elif budget is not None and time.perf_counter() - started > budget:
+                            stopped = True
+                        elif max_states is not None and len(parents) >= max_states:
+                            stopped = True
+                        if stopped:
+                            # Not expanded: not exhaustive, and where a
+                            # resumed search goes on.
+                            rest = Frontier(batch[index:])
+                            for more in batches:
+                                rest.extend(more)
+                            level.close()
+                            level = rest
+                            if checkpoint is not None:
+                                write(level, following)
+                            break
+                        parent = batch[index][0]
+                        result.depth = max(result.depth, depth)
+                        for action, child, child_blob in e.children:
+                            result.transitions += 1
+                            if child not in parents:
+                                assert child_blob is not None, \
+                                    "a worker skipped an unknown state"
+                                parents[child] = (parent, action)
+                                order.append(child)
+                                following.append(child, child_blob)
+                        if e.violation is not None:
+                            result.transitions += 1
+                            action, invariant, message = e.violation
                             result.violation = violation_at(scope, protocol, parents, parent,
-                                                            ("quiesce",), invariant, message,
-                                                            out_dir)
+                                                            action, invariant, message, out_dir)
                             stopped = True
                             break
-                    if progress is not None and time.perf_counter() - last_report > 5:
-                        last_report = time.perf_counter()
-                        result.states = len(parents)
-                        result.seconds = before + last_report - started
-                        progress(result)
+                        if e.quiet:
+                            result.quiet_states += 1
+                            if e.quiet_violation is not None:
+                                invariant, message = e.quiet_violation
+                                result.violation = violation_at(
+                                    scope, protocol, parents, parent, ("quiesce",), invariant,
+                                    message, out_dir)
+                                stopped = True
+                                break
+                        if progress is not None and time.perf_counter() - last_report > 5:
+                            last_report = time.perf_counter()
+                            result.states = len(parents)
+                            result.seconds = before + last_report - started
+                            progress(result)
+                    if stopped:
+                        break
                 else:  # the level is done
-                    level, following, depth = following, [], depth + 1
+                    level.close()
+                    level, following, depth = following, Frontier(), depth + 1
                     if checkpoint is not None and (
                             time.perf_counter() - last_saved >= checkpoint_every):
                         write(level, following)
@@ -629,6 +640,8 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
     result.states = len(parents)
     result.seconds = before + time.perf_counter() - started
     result.exhaustive = not level and not following and result.violation is None
+    level.close()
+    following.close()
     return result
 
 
@@ -661,19 +674,19 @@ class _LazyPool:
             self.pool.close()
 
 
-def _batches(pool: _LazyPool, expander: Expander,
-             level: list[tuple[bytes, bytes]], order: list[bytes],
-             parents: dict[bytes, tuple[bytes, Action] | None]) -> Any:
-    """A level's results in frontier order, computed a batch at a time (a
-    budget is then checked every `BATCH` states a worker, not once a level,
-    and each batch's workers know the keys merged from the batches before)."""
+def _expanded(pool: _LazyPool, expander: Expander, level: Frontier,
+              batch: list[tuple[bytes, bytes]], order: list[bytes],
+              parents: dict[bytes, tuple[bytes, Action] | None]) -> Any:
+    """A batch's results in frontier order: in this process when the level
+    is too narrow to share (then each state sees every key merged before it,
+    the legacy loop's view), else on the pool, whose workers know the keys
+    merged from the batches before. A batch is `BATCH` states a worker, so a
+    budget or a stop is checked every few tenths of a second, not once a
+    level."""
     workers = pool.workers
     if workers < 2 or len(level) < 2 * workers:
-        yield from _inline(expander, level, parents)
-        return
-    step = BATCH * workers
-    for start in range(0, len(level), step):
-        yield from pool.get().expand(level[start:start + step], order, expander, parents)
+        return _inline(expander, batch, parents)
+    return pool.get().expand(batch, order, expander, parents)
 
 
 def _inline(expander: Expander, level: list[tuple[bytes, bytes]],

@@ -107,7 +107,7 @@ def test_bad_checkpoints_are_usage_errors_that_say_what_is_wrong(tmp_path, capsy
         (["--resume", str(tmp_path / "missing.ckpt")], "cannot open (No such file"),
         (["--resume", str(text)], "not a model-checker checkpoint (it does not start like"),
         (["--resume", str(truncated)], "not a readable model-checker checkpoint"),
-        (["--resume", str(other)], "not a model-checker checkpoint (it holds a dict)"),
+        (["--resume", str(other)], "not a model-checker checkpoint (it starts with a dict)"),
         (["--resume", good, "--scope", "default"], "a checkpoint of scope 'tiny', not"),
         (["--resume", good, "--protocol", "e2"], "a checkpoint of protocol 'kvstate'"),
         (["--resume", good, "--no-reduction"], "--no-reduction would be another one"),
@@ -174,3 +174,42 @@ def test_ctrl_c_stops_the_search_keeps_what_it_found_and_it_goes_on(tmp_path, ca
     run = json.loads(capsys.readouterr().out)["runs"][0]
     assert (run["states"], run["transitions"], run["depth"], run["exhaustive"]) == (
         whole.states, whole.transitions, whole.depth, True)
+
+
+def test_a_search_whose_levels_go_to_disk_ends_as_one_in_memory(tmp_path, monkeypatch) -> None:
+    """Every level past a byte of pickled states lives in a temporary file;
+    stopped, checkpointed and resumed with its levels on disk, with one and
+    two workers, the search ends as it does in memory."""
+    import sim.mc_frontier
+    from sim.mc_frontier import Frontier
+
+    whole = check(SCOPES["default"], "kvstate", out_dir=None)
+    spilled = []
+    real = Frontier.append
+
+    def watched(self, key, blob):
+        real(self, key, blob)
+        if self.spilled and self not in spilled:
+            spilled.append(self)
+
+    monkeypatch.setattr(sim.mc_frontier, "SPILL_BYTES", 1)
+    monkeypatch.setattr(Frontier, "append", watched)
+    pieces, runs = _in_pieces("default", "kvstate", str(tmp_path / "disk.ckpt"), 400)
+    assert runs > 2 and len(spilled) > 10
+    assert pieces.outcome == whole.outcome
+    assert check(SCOPES["default"], "kvstate", out_dir=None, workers=2).outcome == whole.outcome
+
+
+def test_a_frontier_keeps_its_order_across_memory_and_disk(tmp_path) -> None:
+    from sim.mc_frontier import Frontier
+
+    states = [(i.to_bytes(2, "big") * 8, bytes([i % 251]) * (i * 37 % 500)) for i in range(300)]
+    for limit in (10**9, 5_000, 0):
+        f = Frontier(spill_bytes=limit)
+        f.extend(states[:150])
+        assert [s for batch in f.batches(7) for s in batch] == states[:150]  # read ...
+        f.extend(states[150:])  # ... then appended to, and read again
+        assert list(f) == states and len(f) == 300
+        assert f.spilled == (limit < 10**9)
+        f.close()
+        assert not f and list(f) == []
