@@ -4,20 +4,22 @@ A scope that takes hours (``large``, or a wider one on a cluster) is lost
 whole to a Ctrl-C, a budget, a driver restarted or a machine taken back,
 unless the search can be written down and picked up again. The compact
 engine (`sim.mc_compact`) searches level by level and merges in frontier
-order, so its whole state between two frontier states is small and plain:
+order, so its whole state between two frontier states is plain data:
 
 * ``parents``: every key visited, with the key and action it was reached by
   (the insertion order is the discovery order the workers are told);
 * ``rest``: the current level's states not expanded yet, as (key, pickled
-  state), in frontier order;
-* ``following``: the next level's states found so far;
+  state), in frontier order (a `sim.mc_frontier.Frontier`: in memory or on
+  disk, streamed to and from the file record by record);
+* ``following``: the next level's states found so far (the same);
 * ``depth`` and the counters of the `sim.modelcheck.Result` so far.
 
 Going on from exactly that makes the same merges in the same order, so a
 resumed search ends with the same states, transitions, depth, verdict and
 shortest counterexample as one that never stopped, whatever the number of
-workers on either side (`tests/test_modelcheck.py` interrupts searches at
-several points and compares). The workers' own key sets are not saved: a
+workers on either side, and whether its levels were on disk or not
+(`tests/test_mc_checkpoint.py` interrupts searches every few dozen states
+and compares). The workers' own key sets are not saved: a
 worker knowing fewer keys only pickles more children, never other ones.
 
 A checkpoint holds pickled core objects, so it only means something to the

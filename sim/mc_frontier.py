@@ -3,13 +3,15 @@
 The driver of the compact engine (`sim.mc_compact`) holds two levels at a
 time: the one being expanded and the next one being found. Each state waits
 there pickled (~7 KB on ``upstream`` and ``large``), and wide scopes have
-wide levels: ``large`` held ~60,000 states (~420 MB) after a minute on two
-cores, so a search of an hour would outgrow the machine before its time
-ran out, and a cluster, expanding levels many times faster, sooner still;
-the visited table beside it costs ~35 bytes a state once pickled and ~200 in
-memory. So a level keeps its states in memory up to `SPILL_BYTES` and then
-moves them, in order, to an anonymous temporary file (deleted when closed or
-when the process ends), read back sequentially a batch at a time.
+wide levels: after a minute on two cores ``large`` had 668 MB resident, of
+which ~460 MB were its two levels (205 MB with them on disk), so a search of
+an hour would outgrow the machine long before its time ran out, and on a
+cluster, which expands levels many times faster, sooner still. So a level
+keeps its states in memory up to `SPILL_BYTES` and then moves them, in
+order, to an anonymous temporary file (deleted when closed or when the
+process ends), read back sequentially a batch at a time. What is left in
+memory grows with the visited table (a key and how it was reached, per
+state), not with the width of a level.
 
 Why a file and not compression: ``zlib`` at level 1 took ~80 us a state
 and halved it (with a preset dictionary ~55 us for ~5.5x), a tenth or more
