@@ -383,8 +383,8 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
     # The shapes that broke upstream, on two ranks, with decode-phase saves
     # and a -200 (the store out of space) as the one fault of a path. Each is
     # exhaustive within about a minute on two cores (`--workers 2`); all four
-    # ingredients in one scope (`upstream`) take about two and a half (README,
-    # "Model checker").
+    # ingredients in one scope (`upstream`) take one (a quiet machine) to two
+    # and a half (a loaded one; README, "Model checker").
     Scope("decode2", "decode-phase saves on 2 ranks across a preemption (the request "
           "resumes and saves again), one -200 per path",
           (ScopeRequest("a", (1, 2, 3), decode=2),), faults=1, evictions=0, preemptions=1,
@@ -398,7 +398,7 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
           (ScopeRequest("a", (1, 2, 3, 4, 5), decode=3, lookup=False, transferred=True),),
           role=Role.CONSUMER, faults=1, evictions=0, preemptions=1, put_answers=("ok", "-200")),
     Scope("upstream", "decode-phase saves on 2 ranks, a preemption, an id reuse and a -200 "
-          "in one scope (exhaustive in about 2.5 minutes with 2 workers: 130,909 states)",
+          "in one scope (exhaustive in 1 to 2.5 minutes with 2 workers: 130,909 states)",
           (ScopeRequest("a", (1, 2, 3), decode=2), _A2), faults=1, evictions=0,
           preemptions=1, put_answers=("ok", "-200")),
     Scope("large", "two ids, one reused, a decode step, a fault, an eviction, a preemption "
