@@ -130,7 +130,9 @@ def test_the_command_line_goes_on_from_a_budget_stop(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "NOT exhaustive (budget)" in out and f"--resume {path}" in out
     assert main(["modelcheck", "--resume", path, "--json"]) == 0
-    run = json.loads(capsys.readouterr().out)["runs"][0]
+    report = json.loads(capsys.readouterr().out)
+    assert report["interrupted"] is False and report["exhaustive"] is True
+    run = report["runs"][0]
     whole = check(SCOPES["default"], "kvstate", out_dir=None)
     assert (run["scope"], run["states"], run["transitions"], run["exhaustive"]) == (
         "default", whole.states, whole.transitions, True)

@@ -176,7 +176,7 @@ def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str],
     complete = all(r.exhaustive for r in runs)
     rows = summarize(cov)
     if args.json:
-        print(envelope({"ok": ok, "exhaustive": complete, "violations": [
+        print(envelope({"ok": ok, "exhaustive": complete, "interrupted": interrupted, "violations": [
             {"invariant": r.violation.invariant, "event_index": -1,
              "message": f"{r.protocol}/{r.scope}: {r.violation.message}",
              "actions": [format_action(a) for a in r.violation.actions],
