@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,25 +25,40 @@ def _with_ctrl_c_delivered() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _campaign(*extra: str, new_session: bool = False) -> subprocess.Popen[str]:
+def _kvstate(*argv: str, new_session: bool = False) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "sim.cli", "campaign", "--protocol", "e2", "--budget", "120",
-         *extra],
+        [sys.executable, "-m", "sim.cli", *argv],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=_with_ctrl_c_delivered, start_new_session=new_session)
+
+
+def _campaign(*extra: str, new_session: bool = False) -> subprocess.Popen[str]:
+    return _kvstate("campaign", "--protocol", "e2", "--budget", "120", *extra,
+                    new_session=new_session)
+
+
+def _ctrl_c(proc: subprocess.Popen[str], ready: Callable[[], object], group: bool = False
+            ) -> tuple[str, str]:
+    """Once ``ready()`` says so, Ctrl-C to the command (its whole process
+    group with ``group``, as a terminal does); what it printed after."""
+    try:
+        ready()
+        assert proc.poll() is None, "the command ended before it was interrupted"
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.slow
 def test_ctrl_c_during_a_campaign_ends_it_without_a_traceback() -> None:
     proc = _campaign()
-    try:
-        time.sleep(12)  # imports done, some seeds folded (the budget is 120 s)
-        assert proc.poll() is None, "the campaign ended before it was interrupted"
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # imports done, some seeds folded (the budget is 120 s)
+    out, err = _ctrl_c(proc, lambda: time.sleep(12))
     assert proc.returncode == 130, (out, err)
     assert "interrupted" in err
     assert "Traceback" not in err
@@ -56,13 +73,41 @@ def test_ctrl_c_to_the_whole_process_group_ends_a_parallel_campaign_quietly() ->
     """A terminal's Ctrl-C reaches every worker too: they leave it to the
     parent (exit 130, no traceback from any process)."""
     proc = _campaign("--workers", "2", new_session=True)
-    try:
-        time.sleep(8)  # imports done, seeds running in both workers
-        assert proc.poll() is None, "the campaign ended before it was interrupted"
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # imports done, seeds running in both workers
+    out, err = _ctrl_c(proc, lambda: time.sleep(8), group=True)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_model_check_keeps_what_it_found_and_it_goes_on(
+        tmp_path, capsys) -> None:
+    """The first Ctrl-C (to the whole group: the workers too) ends the search
+    at the next state: its figures are printed, the checkpoint written, exit
+    130; ``--resume`` finishes it with the figures of a search never
+    interrupted."""
+    from sim.cli import main
+    from sim.mc_checkpoint import load
+    from sim.modelcheck import SCOPES, check
+
+    path = str(tmp_path / "c.ckpt")
+    proc = _kvstate("modelcheck", "--scope", "decode2", "--workers", "2", "--checkpoint", path,
+                    "--no-progress", new_session=True)
+
+    def searching() -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the first checkpoint is written as the search starts
+        time.sleep(1.5)
+
+    out, err = _ctrl_c(proc, searching, group=True)
+    assert proc.returncode == 130, (out, err)
+    assert "stopping at the next state" in err and "Traceback" not in err
+    assert "NOT exhaustive (interrupted)" in out and f"--resume {path}" in out
+    saved = load(path)
+    whole = check(SCOPES["decode2"], "kvstate", out_dir=None, workers=2)
+    assert 0 < len(saved.parents) < whole.states
+    assert main(["modelcheck", "--resume", path, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert (run["states"], run["transitions"], run["depth"], run["exhaustive"]) == (
+        whole.states, whole.transitions, whole.depth, True)

@@ -1,16 +1,12 @@
 """A model-checker search that stops (Ctrl-C, a budget, a state limit) and
-goes on later from its checkpoint ends exactly as one that never stopped."""
+goes on later from its checkpoint ends exactly as one that never stopped
+(Ctrl-C itself, in a subprocess: `tests/test_interrupt.py`)."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import pickle
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +14,6 @@ import pytest
 from sim.cli import main
 from sim.mc_checkpoint import CheckpointError, load
 from sim.modelcheck import SCOPES, check
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _after(merges: int):
@@ -137,45 +131,6 @@ def test_the_command_line_goes_on_from_a_budget_stop(tmp_path, capsys) -> None:
     assert (run["scope"], run["states"], run["transitions"], run["exhaustive"]) == (
         "default", whole.states, whole.transitions, True)
     assert run["interrupted"] is False and run["checkpoint"] is None
-
-
-def _with_ctrl_c_delivered() -> None:
-    # A test run in the background inherits SIGINT ignored (tests/test_interrupt.py).
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-@pytest.mark.slow
-def test_ctrl_c_stops_the_search_keeps_what_it_found_and_it_goes_on(tmp_path, capsys) -> None:
-    """The first Ctrl-C ends the search at the next state: its figures are
-    printed, the checkpoint written, exit 130; ``--resume`` finishes it with
-    the figures of a search never interrupted."""
-    path = str(tmp_path / "c.ckpt")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sim.cli", "modelcheck", "--scope", "decode2", "--workers", "2",
-         "--checkpoint", path, "--no-progress"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_with_ctrl_c_delivered)
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.1)  # the first checkpoint is written as the search starts
-        time.sleep(1.5)
-        assert proc.poll() is None, "the search ended before it was interrupted"
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, (out, err)
-    assert "stopping at the next state" in err and "Traceback" not in err
-    assert "NOT exhaustive (interrupted)" in out and f"--resume {path}" in out
-    saved = load(path)
-    whole = check(SCOPES["decode2"], "kvstate", out_dir=None, workers=2)
-    assert 0 < len(saved.parents) < whole.states
-    assert main(["modelcheck", "--resume", path, "--json"]) == 0
-    run = json.loads(capsys.readouterr().out)["runs"][0]
-    assert (run["states"], run["transitions"], run["depth"], run["exhaustive"]) == (
-        whole.states, whole.transitions, whole.depth, True)
 
 
 def test_a_search_whose_levels_go_to_disk_ends_as_one_in_memory(tmp_path, monkeypatch) -> None:
