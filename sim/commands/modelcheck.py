@@ -88,6 +88,12 @@ def _resumed(args: argparse.Namespace) -> Any:
     return found
 
 
+def _goes_on(r: Any, checkpoint: str | None) -> bool:
+    """Whether ``checkpoint`` holds a search that stopped before its end
+    (``--resume`` would go on with it)."""
+    return checkpoint is not None and not r.exhaustive and r.violation is None
+
+
 def run(args: argparse.Namespace) -> int:
     from sim.modelcheck import SCOPES
 
@@ -149,7 +155,6 @@ def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str],
                           checkpoint_every=args.checkpoint_every, resume=resume,
                           progress=_on_report(args, bar) if bar.active else None)
             runs.append(r)
-            stopped_early = not r.exhaustive and r.violation is None
             if not args.json:
                 verdict = "exhaustive" if r.exhaustive else (
                     "violation" if r.violation else "NOT exhaustive (interrupted)"
@@ -157,7 +162,7 @@ def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str],
                 print(f"  {protocol}: {r.states} states, {r.transitions} transitions, depth "
                       f"{r.depth}, {r.seconds:.1f} s, {r.states_per_second:.0f} states/s "
                       f"({r.workers} worker{'s' if r.workers > 1 else ''}); {verdict}")
-                if checkpoint is not None and stopped_early:
+                if _goes_on(r, checkpoint):
                     print(f"  checkpoint: {checkpoint} (go on: kvstate modelcheck --resume "
                           f"{shlex.quote(checkpoint)})")
                 if r.violation:
@@ -185,8 +190,7 @@ def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str],
                       "transitions": r.transitions, "depth": r.depth,
                       "seconds": round(r.seconds, 3), "exhaustive": r.exhaustive,
                       "workers": r.workers, "interrupted": r.interrupted,
-                      "checkpoint": checkpoint if checkpoint is not None and not r.exhaustive
-                      and r.violation is None else None,
+                      "checkpoint": checkpoint if _goes_on(r, checkpoint) else None,
                       "states_per_second": round(r.states_per_second)} for r in runs],
             "never_fired": never_fired(rows)}))
     else:
