@@ -62,7 +62,7 @@ import attrs
 
 from kvstate.variants import get_variant
 from sim.cluster import ClusterError, code_fingerprint, node_code
-from sim.mc_checkpoint import Checkpoint, save
+from sim.mc_checkpoint import Checkpoint, require_same, save
 from sim.mc_frontier import Frontier
 from sim.modelcheck import (
     EXCLUDED_FIELDS,
@@ -523,10 +523,11 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
     ``checkpoint``: a file the search is written to (`sim.mc_checkpoint`)
     when a level ends and ``checkpoint_every`` seconds passed since the last
     write, and whenever the search stops before its end (stop, budget,
-    max_states). ``resume``: a checkpoint to go on from instead of the
-    initial state (of this scope, protocol, reduction and ``only``): the
-    result is the one an uninterrupted search gives, its ``seconds``
-    counting every run."""
+    max_states). ``resume``: a checkpoint (`sim.mc_checkpoint.load`) to go
+    on from instead of the initial state, of this scope, protocol, reduction
+    and ``only`` (else `CheckpointError`): the result is the one an
+    uninterrupted search gives, its ``seconds`` counting every run. A loaded
+    checkpoint goes on once (its states are let go of as they are expanded)."""
     get_variant(protocol)  # a clear error for an unknown name, before any work
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
@@ -543,6 +544,10 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
             depth = 0
             before = 0.0
         else:
+            require_same(resume, "resume", scope, protocol, reduce, only)
+            if resume.rest.closed or resume.following.closed:
+                raise ValueError("this checkpoint was gone on from already (its states were "
+                                 "let go of): load it again")
             parents = dict(resume.parents)
             level, following, depth = resume.rest, resume.following, resume.depth
             result.transitions, result.quiet_states = resume.transitions, resume.quiet_states

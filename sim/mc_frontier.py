@@ -49,6 +49,7 @@ class Frontier:
         self.held = 0  # bytes of pickled states in `memory`
         self.file: IO[bytes] | None = None
         self.count = 0
+        self.closed = False  # let go of: reading it again is an error, not "empty"
         self.extend(states)
 
     def append(self, key: bytes, blob: bytes) -> None:
@@ -89,6 +90,8 @@ class Frontier:
     def batches(self, size: int) -> Iterator[list[tuple[bytes, bytes]]]:
         """The states in order, ``size`` at a time (nothing may be appended
         while this runs)."""
+        if self.closed:
+            raise RuntimeError("this frontier was let go of (closed): its states are gone")
         if self.file is None:
             memory = self.memory
             for start in range(0, len(memory), size):
@@ -118,6 +121,7 @@ class Frontier:
             self.file = None
         self.memory = []
         self.held = self.count = 0
+        self.closed = True
 
 
 __all__ = ["SPILL_BYTES", "Frontier"]
