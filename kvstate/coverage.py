@@ -65,6 +65,22 @@ def recording(into: Coverage | None = None) -> Iterator[Coverage]:
             Machine.fire = _PLAIN_FIRE  # type: ignore[method-assign]
 
 
+def recording_now() -> bool:
+    """Whether a `recording` block is open in this process (a model-checker
+    worker in another process records its own only when the driver does)."""
+    return bool(_active)
+
+
+def add_fired(fired: Iterable[tuple[str, Any, Any]]) -> None:
+    """Transitions that fired in another process (a model-checker worker or
+    Ray actor, recording its own share) into every recording open here:
+    without them a parallel search's table, and its "never fired" list,
+    would be only the share this process expanded itself."""
+    triples = set(fired)
+    for target in _active:
+        target.fired |= triples
+
+
 @attrs.frozen
 class MachineCoverage:
     machine: str

@@ -60,6 +60,7 @@ from typing import Any
 
 import attrs
 
+from kvstate.coverage import add_fired, recording, recording_now
 from kvstate.variants import get_variant
 from sim.cluster import ClusterError, code_fingerprint, node_code
 from sim.mc_checkpoint import Checkpoint, require_same, save
@@ -314,15 +315,30 @@ class SliceWorker:
         self.expander = Expander(scope, protocol, reduce, only)
         self.seen: set[bytes] = set()
 
-    def expand(self, known: Sequence[bytes], chunk: list[tuple[bytes, bytes]]
-               ) -> list[Expanded] | WorkerError:
+    def expand(self, known: Sequence[bytes], chunk: list[tuple[bytes, bytes]],
+               record: bool = False) -> SliceResult | WorkerError:
+        """``record``: the driver records table coverage, so record this
+        slice's and send it back (`kvstate.coverage.add_fired`)."""
         self.seen.update(known)
         try:
-            return expand_slice(self.expander, chunk, self.seen)
+            if not record:
+                return SliceResult(expand_slice(self.expander, chunk, self.seen))
+            with recording() as fired:
+                out = expand_slice(self.expander, chunk, self.seen)
+            return SliceResult(out, frozenset(fired.fired))
         except Exception:
             import traceback
 
             return WorkerError(traceback.format_exc())
+
+
+@attrs.frozen
+class SliceResult:
+    """What a worker sends back for a slice: its states' `Expanded`, and
+    the table entries that fired while expanding them (only when asked)."""
+
+    expanded: list[Expanded]
+    fired: frozenset[tuple[str, Any, Any]] = frozenset()
 
 
 def _worker(conn: Any, scope: Scope, protocol: str, reduce: bool,
@@ -415,9 +431,11 @@ class _Pool:
         known = order[self.told:]
         self.told = len(order)
         slices = _slices(level, len(self.conns) + 1)
+        record = recording_now()
         for conn, part in zip(self.conns, slices[1:]):
-            conn.send((known, part))
-        mine = expand_slice(expander, slices[0], _Overlay(parents))
+            conn.send((known, part, record))
+        # This process's own slice is recorded here directly, if at all.
+        mine = SliceResult(expand_slice(expander, slices[0], _Overlay(parents)))
         return _fold(slices, [mine, *(conn.recv() for conn in self.conns)])
 
     def close(self) -> None:
@@ -440,18 +458,20 @@ def _slices(level: list[tuple[bytes, bytes]], n: int) -> list[list[tuple[bytes, 
 
 
 def _fold(slices: list[list[tuple[bytes, bytes]]],
-          results: list[list[Expanded] | WorkerError]) -> list[Expanded]:
+          results: list[SliceResult | WorkerError]) -> list[Expanded]:
     """The slices' results in frontier order. A slice that came back short
     stopped at a violation: what follows it is moot. A worker's crash is
-    raised here (every result was received first, so the pipes stay in step)."""
+    raised here (every result was received first, so the pipes stay in step).
+    The table entries the workers fired join this process's recordings."""
     out: list[Expanded] = []
     stopped = False
     for part, rest in zip(slices, results):
         if isinstance(rest, WorkerError):
             raise rest
+        add_fired(rest.fired)
         if not stopped:
-            out.extend(rest)
-            stopped = len(rest) < len(part)
+            out.extend(rest.expanded)
+            stopped = len(rest.expanded) < len(part)
     return out
 
 
@@ -488,7 +508,8 @@ class _RayPool:
         self.told = len(order)
         slices = _slices(level, len(self.actors))
         # Every actor is called, an empty slice too: each must learn the keys.
-        handles = [a.expand.remote(known, part) for a, part in zip(self.actors, slices)]
+        record = recording_now()
+        handles = [a.expand.remote(known, part, record) for a, part in zip(self.actors, slices)]
         try:
             results = [self.cluster.get(h) for h in handles]
         except self.cluster.ray.exceptions.RayActorError as e:

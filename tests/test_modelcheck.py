@@ -131,6 +131,25 @@ def test_model_checking_records_coverage_of_the_tables() -> None:
     assert (JobState.CHECKING, JobEvent.RAISED) in job  # a scripted raise of the check
 
 
+def test_a_parallel_search_records_the_tables_its_workers_fired(monkeypatch) -> None:
+    """Workers record what fired in their slices and send it back: here the
+    driver expands nothing itself, as on a Ray cluster. Before, its table
+    (and the "never fired" list after an exhaustive run) held only what this
+    process expanded: on a cluster, the narrow first levels."""
+    import sim.mc_compact as mc
+
+    alone = Coverage()
+    with recording(alone):
+        whole = check(SCOPES["default"], "kvstate", out_dir=None)
+    real = mc._slices
+    monkeypatch.setattr(mc, "_slices", lambda level, n: [[], *real(level, n - 1)])
+    shared = Coverage()
+    with recording(shared):
+        r = check(SCOPES["default"], "kvstate", out_dir=None, workers=2)
+    assert r.workers == 2 and r.outcome == whole.outcome
+    assert shared.fired == alone.fired
+
+
 @pytest.mark.slow
 def test_modelcheck_command(tmp_path, capsys) -> None:
     assert main(["modelcheck", "--scope", "tiny", "--json", "--out-dir", str(tmp_path)]) == 0
