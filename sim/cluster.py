@@ -208,8 +208,19 @@ def _versions() -> tuple[str, str]:
     return installed, platform.python_version()
 
 
+def _code(code: tuple[str, ...]) -> str:
+    """A `node_code` as text: ``sources F (kvstate V, Python P)``."""
+    return f"sources {code[0]} (kvstate {code[1]}, Python {code[2]})"
+
+
 def _describe(where: str, code: tuple[str, ...]) -> str:
-    return f"node {where} runs sources {code[0]} (kvstate {code[1]}, Python {code[2]})"
+    return f"node {where} runs {_code(code)}"
+
+
+def _cannot_run(where: str, error: BaseException) -> str:
+    """A node whose task failed to import kvstate: the error's last line says why."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"node {where} cannot run kvstate ({lines[-1] if lines else type(error).__name__})"
 
 
 def require_code(expected: tuple[str, ...]) -> None:
@@ -247,8 +258,7 @@ def node_problem(error: BaseException) -> str | None:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if lines and lines[-1].startswith(_IMPORT_FAILURES):
         found = re.search(r"\bip=([^,)\s]+)", text)
-        where = found.group(1) if found else "of the cluster"
-        return f"node {where} cannot run kvstate ({lines[-1]})"
+        return _cannot_run(found.group(1) if found else "of the cluster", error)
     return None
 
 
@@ -268,18 +278,15 @@ def _check_code(ray: Any, address: str) -> None:
         try:
             there = tuple(ray.get(handle))
         except Exception as e:  # the node could not even import it
-            text = str(e).strip()
-            problems.append(f"node {where} cannot run kvstate "
-                            f"({text.splitlines()[-1] if text else type(e).__name__})")
+            problems.append(_cannot_run(where, e))
             continue
         if there != here:
             problems.append(_describe(where, there))
     if problems:
         raise ClusterError(
-            f"--ray {address}: the cluster runs other kvstate code than this process "
-            f"(sources {here[0]}, kvstate {here[1]}, Python {here[2]}), and its findings "
-            f"would be folded in as if they were this code's: {'; '.join(problems)}. "
-            "Install this kvstate on every node.")
+            f"--ray {address}: the cluster runs other kvstate code than this process, "
+            f"which runs {_code(here)}, and its findings would be folded in as if they "
+            f"were this code's: {'; '.join(problems)}. Install this kvstate on every node.")
 
 
 class Cluster:
@@ -341,12 +348,10 @@ class Cluster:
             problem = node_problem(e)
             if problem is None:
                 raise
-            here = node_code()
             raise ClusterError(
-                f"--ray {self.address}: {problem}, not this process's code (sources "
-                f"{here[0]}, kvstate {here[1]}, Python {here[2]}); its answers would have "
-                "been folded in as if they were this code's. Install this kvstate on every "
-                "node.") from None
+                f"--ray {self.address}: {problem}, not this process's code, which runs "
+                f"{_code(node_code())}; its answers would have been folded in as if they "
+                "were this code's. Install this kvstate on every node.") from None
 
     def close(self) -> None:
         """Shut down what this connection started (a joined cluster keeps running)."""

@@ -87,10 +87,30 @@ class Checkpoint:
 _FRONTIERS = ("rest", "following")
 
 
+def _temporary(path: str) -> str:
+    """Where a checkpoint is written before it is renamed to ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+
+
+def probe(path: str) -> None:
+    """Fail now, as `save` would, if a checkpoint cannot be written at
+    ``path``: before a search's work rather than after hours of it, and
+    without writing a resumed search's whole frontier again to find out."""
+    temporary = _temporary(path)
+    try:
+        with open(temporary, "wb"):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write the checkpoint ({e.strerror})", path) from e
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
 def save(path: str, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint`` to ``path`` whole or not at all."""
-    folder = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    temporary = _temporary(path)
     header = {f.name: getattr(checkpoint, f.name) for f in attrs.fields(Checkpoint)
               if f.name not in _FRONTIERS}
     try:
@@ -132,7 +152,10 @@ def load(path: str) -> Checkpoint:
                 raise CheckpointError(f"{path}: checkpoint format {head[1]}; this kvstate "
                                       f"reads format {FORMAT}")
             header = unpickler.load()
-            _same_code(path, header.get("code") if isinstance(header, dict) else None)
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{path}: not a readable model-checker checkpoint (its "
+                                      f"header is a {type(header).__name__})")
+            _same_code(path, header.get("code"))
             rest, following = Frontier(), Frontier()
             for frontier in (rest, following):
                 for _ in range(int(unpickler.load())):
@@ -175,5 +198,5 @@ def require_same(checkpoint: Checkpoint, path: str, scope: Scope, protocol: str,
                                   f"{theirs!r}, not {mine!r})")
 
 
-__all__ = ["FORMAT", "MAGIC", "Checkpoint", "CheckpointError", "load", "require_same",
-           "save"]
+__all__ = ["FORMAT", "MAGIC", "Checkpoint", "CheckpointError", "load", "probe",
+           "require_same", "save"]

@@ -63,7 +63,7 @@ import attrs
 from kvstate.coverage import add_fired, recording, recording_now
 from kvstate.variants import get_variant
 from sim.cluster import ClusterError, code_fingerprint, node_code
-from sim.mc_checkpoint import Checkpoint, require_same, save
+from sim.mc_checkpoint import Checkpoint, probe, require_same, save
 from sim.mc_frontier import Frontier
 from sim.modelcheck import (
     EXCLUDED_FIELDS,
@@ -541,8 +541,8 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
 
     ``stop``: asked before each frontier state is merged; true ends the
     search there (``Result.interrupted``; the command line's first Ctrl-C).
-    ``checkpoint``: a file the search is written to (`sim.mc_checkpoint`)
-    when a level ends and ``checkpoint_every`` seconds passed since the last
+    ``checkpoint``: a file the search is written to (`sim.mc_checkpoint`;
+    one that cannot be written fails before any work) when a level ends and ``checkpoint_every`` seconds passed since the last
     write, and whenever the search stops before its end (stop, budget,
     max_states). ``resume``: a checkpoint (`sim.mc_checkpoint.load`) to go
     on from instead of the initial state, of this scope, protocol, reduction
@@ -591,9 +591,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                 before + time.perf_counter() - started, rest, after))
 
         if checkpoint is not None:
-            # At once: a path that cannot be written fails before any work,
-            # not after hours of it.
-            write(level, following)
+            probe(checkpoint)
         stopped = False
         try:
             while (level or following) and not stopped:
