@@ -18,6 +18,11 @@ state is or how a successor is computed:
   reference counting; the cyclic collector is off during the search (on again
   afterwards, and run every `COLLECT_EVERY` transitions in case some path
   leaves a cycle uncut, so memory stays bounded).
+* **What every state shares is stored once** (`sim.mc_state`): the config,
+  the variant and what the harness, monitor, planner and executors derive
+  from them at construction are written as references to the search's
+  initial state, so copying a state loads ~25 % less and storing one writes
+  ~10 % less (a third fewer bytes).
 * **Level-synchronous breadth-first search.** The frontier is expanded one
   depth at a time; a level's states can be expanded by ``workers`` processes
   (`multiprocessing`, fork where available) or Ray actors on a cluster
@@ -53,7 +58,6 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import pickle
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -65,6 +69,7 @@ from kvstate.variants import get_variant
 from sim.cluster import ClusterError, code_fingerprint, node_code
 from sim.mc_checkpoint import Checkpoint, probe, require_same, save
 from sim.mc_frontier import Frontier
+from sim.mc_state import codec_for
 from sim.modelcheck import (
     EXCLUDED_FIELDS,
     NO_FIELDS,
@@ -82,7 +87,6 @@ from sim.modelcheck import (
     apply,
     digest,
     enabled,
-    initial,
     violation_at,
 )
 
@@ -194,9 +198,10 @@ class Expander:
         self.reduce = reduce
         self.symmetric = _symmetric(scope) if reduce else set()
         self.transitions = 0
+        self.codec = codec_for(scope, protocol, reduce, only)
 
     def copy(self, blob: bytes) -> System:
-        return pickle.loads(blob)
+        return self.codec.loads(blob)
 
     def step(self, s: System, action: Action) -> None:
         apply(self.scope, s, action, self.symmetric)
@@ -205,7 +210,7 @@ class Expander:
         return state_key(s, self.reduce)
 
     def store(self, s: System) -> bytes:
-        return pickle.dumps(s, protocol=5)
+        return self.codec.dumps(s)
 
     def expand(self, key: bytes, blob: bytes, seen: Collection[bytes]) -> Expanded:
         s = self.copy(blob)
@@ -322,9 +327,12 @@ class SliceWorker:
         self.seen.update(known)
         try:
             if not record:
-                return SliceResult(expand_slice(self.expander, chunk, self.seen))
+                out = expand_slice(self.expander, chunk, self.seen)
+                self.expander.codec.check_unchanged()
+                return SliceResult(out)
             with recording() as fired:
                 out = expand_slice(self.expander, chunk, self.seen)
+            self.expander.codec.check_unchanged()
             return SliceResult(out, frozenset(fired.fired))
         except Exception:
             import traceback
@@ -553,13 +561,18 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
     result = Result(scope.name, protocol)
+    if expander is None:
+        expander = Expander(scope, protocol, reduce, only)
+    elif expander.codec is not codec_for(scope, protocol, reduce, only):
+        raise ValueError("the expander was made for another scope, protocol, reduction or "
+                         "invariant set")
     with _Collector():
         parents: dict[bytes, tuple[bytes, Action] | None]
         if resume is None:
-            start = initial(scope, protocol, reduce=reduce, only=only)
+            # The codec's template is the initial state (stored, never stepped).
+            start = expander.codec.template
             key = state_key(start, reduce)
-            blob = pickle.dumps(start, protocol=5)
-            discard(start)
+            blob = expander.codec.dumps(start)
             parents = {key: None}
             level, following = Frontier([(key, blob)]), Frontier()
             depth = 0
@@ -574,10 +587,6 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
             result.transitions, result.quiet_states = resume.transitions, resume.quiet_states
             result.depth, before = resume.max_depth, resume.seconds
         order: list[bytes] = list(parents)  # keys in discovery order (what workers are told)
-        if expander is None:
-            expander = Expander(scope, protocol, reduce, only)
-        elif expander.scope != scope or expander.reduce != reduce:
-            raise ValueError("the expander was made for another scope or reduction")
         # Started at the first level wide enough to share (`_expanded`): a
         # scope that never gets one forks nothing, whatever the core count.
         pool = _LazyPool(workers, scope, protocol, reduce, only, cluster)
@@ -652,6 +661,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                     if stopped:
                         break
                 else:  # the level is done
+                    expander.codec.check_unchanged()
                     level.close()
                     level, following, depth = following, Frontier(), depth + 1
                     if checkpoint is not None and (
@@ -661,6 +671,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
         finally:
             pool.close()
             result.workers = pool.started()
+    expander.codec.check_unchanged()
     result.states = len(parents)
     result.seconds = before + time.perf_counter() - started
     result.exhaustive = not level and not following and result.violation is None
