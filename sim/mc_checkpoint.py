@@ -7,7 +7,8 @@ engine (`sim.mc_compact`) searches level by level and merges in frontier
 order, so its whole state between two frontier states is plain data:
 
 * ``parents``: every key visited, with the key and action it was reached by
-  (the insertion order is the discovery order the workers are told);
+  (a `sim.mc_visited.Visited`, ~43 bytes a state; its order is the
+  discovery order the workers are told);
 * ``rest``: the current level's states not expanded yet, as (key, pickled
   state), in frontier order (a `sim.mc_frontier.Frontier`: in memory or on
   disk, streamed to and from the file record by record);
@@ -40,11 +41,12 @@ from collections.abc import Sequence
 import attrs
 
 from sim.mc_frontier import Frontier
-from sim.modelcheck import Action, Scope
+from sim.mc_visited import Visited
+from sim.modelcheck import Scope
 
 # Bumped whenever the layout below changes meaning: an older file is refused
 # with both numbers rather than misread.
-FORMAT = 2
+FORMAT = 3  # 3: the visited table packed (sim.mc_visited); 2 held a dict
 # The first thing in the file, with the format: what says it is one at all.
 MAGIC = "kvstate model-checker checkpoint"
 
@@ -63,7 +65,7 @@ class Checkpoint:
     reduce: bool
     only: tuple[str, ...] | None
     code: str  # sim.cluster.code_fingerprint() of the writer
-    parents: dict[bytes, tuple[bytes, Action] | None]
+    parents: Visited
     depth: int  # of the states in ``rest``
     transitions: int
     quiet_states: int

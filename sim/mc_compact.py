@@ -70,6 +70,7 @@ from sim.cluster import ClusterError, code_fingerprint, node_code
 from sim.mc_checkpoint import Checkpoint, probe, require_same, save
 from sim.mc_frontier import Frontier
 from sim.mc_state import codec_for
+from sim.mc_visited import KeySet, Visited
 from sim.modelcheck import (
     EXCLUDED_FIELDS,
     NO_FIELDS,
@@ -318,13 +319,15 @@ class SliceWorker:
     def __init__(self, scope: Scope, protocol: str, reduce: bool,
                  only: Sequence[str] | None) -> None:
         self.expander = Expander(scope, protocol, reduce, only)
-        self.seen: set[bytes] = set()
+        self.seen = KeySet()
 
-    def expand(self, known: Sequence[bytes], chunk: list[tuple[bytes, bytes]],
+    def expand(self, known: bytes, chunk: list[tuple[bytes, bytes]],
                record: bool = False) -> SliceResult | WorkerError:
-        """``record``: the driver records table coverage, so record this
-        slice's and send it back (`kvstate.coverage.add_fired`)."""
-        self.seen.update(known)
+        """``known``: the keys merged since the last call, packed
+        (`sim.mc_visited.KeySet.packed_from`). ``record``: the driver records
+        table coverage, so record this slice's and send it back
+        (`kvstate.coverage.add_fired`)."""
+        self.seen.add_packed(known)
         try:
             if not record:
                 out = expand_slice(self.expander, chunk, self.seen)
@@ -432,18 +435,18 @@ class _Pool:
             theirs.close()
             self.conns.append(ours)
             self.procs.append(p)
-        self.told = 0  # how many keys of `order` every worker has been sent
+        self.told = 0  # how many keys of the visited table every worker has been sent
 
-    def expand(self, level: list[tuple[bytes, bytes]], order: list[bytes], expander: Expander,
-               parents: Collection[bytes]) -> list[Expanded]:
-        known = order[self.told:]
-        self.told = len(order)
+    def expand(self, level: list[tuple[bytes, bytes]], visited: Visited,
+               expander: Expander) -> list[Expanded]:
+        known = visited.packed_from(self.told)
+        self.told = len(visited)
         slices = _slices(level, len(self.conns) + 1)
         record = recording_now()
         for conn, part in zip(self.conns, slices[1:]):
             conn.send((known, part, record))
         # This process's own slice is recorded here directly, if at all.
-        mine = SliceResult(expand_slice(expander, slices[0], _Overlay(parents)))
+        mine = SliceResult(expand_slice(expander, slices[0], _Overlay(visited)))
         return _fold(slices, [mine, *(conn.recv() for conn in self.conns)])
 
     def close(self) -> None:
@@ -510,10 +513,10 @@ class _RayPool:
                        for _ in range(workers)]
         self.told = 0
 
-    def expand(self, level: list[tuple[bytes, bytes]], order: list[bytes], expander: Expander,
-               parents: Collection[bytes]) -> list[Expanded]:
-        known = self.cluster.ray.put(order[self.told:])
-        self.told = len(order)
+    def expand(self, level: list[tuple[bytes, bytes]], visited: Visited,
+               expander: Expander) -> list[Expanded]:
+        known = self.cluster.ray.put(visited.packed_from(self.told))
+        self.told = len(visited)
         slices = _slices(level, len(self.actors))
         # Every actor is called, an empty slice too: each must learn the keys.
         record = recording_now()
@@ -567,13 +570,14 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
         raise ValueError("the expander was made for another scope, protocol, reduction or "
                          "invariant set")
     with _Collector():
-        parents: dict[bytes, tuple[bytes, Action] | None]
+        parents: Visited
         if resume is None:
             # The codec's template is the initial state (stored, never stepped).
             start = expander.codec.template
             key = state_key(start, reduce)
             blob = expander.codec.dumps(start)
-            parents = {key: None}
+            parents = Visited()
+            parents.reach(key)
             level, following = Frontier([(key, blob)]), Frontier()
             depth = 0
             before = 0.0
@@ -582,11 +586,10 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
             if resume.rest.closed or resume.following.closed:
                 raise ValueError("this checkpoint was gone on from already (its states were "
                                  "let go of): load it again")
-            parents = dict(resume.parents)
+            parents = resume.parents.copy()
             level, following, depth = resume.rest, resume.following, resume.depth
             result.transitions, result.quiet_states = resume.transitions, resume.quiet_states
             result.depth, before = resume.max_depth, resume.seconds
-        order: list[bytes] = list(parents)  # keys in discovery order (what workers are told)
         # Started at the first level wide enough to share (`_expanded`): a
         # scope that never gets one forks nothing, whatever the core count.
         pool = _LazyPool(workers, scope, protocol, reduce, only, cluster)
@@ -608,7 +611,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                     level, following, depth = following, Frontier(), depth + 1
                 batches = level.batches(BATCH * workers)
                 for batch in batches:
-                    for index, e in enumerate(_expanded(pool, expander, level, batch, order,
+                    for index, e in enumerate(_expanded(pool, expander, level, batch,
                                                         parents)):
                         if stop is not None and stop():
                             result.interrupted = stopped = True
@@ -631,11 +634,9 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                         result.depth = max(result.depth, depth)
                         for action, child, child_blob in e.children:
                             result.transitions += 1
-                            if child not in parents:
+                            if parents.reach(child, parent, action):
                                 assert child_blob is not None, \
                                     "a worker skipped an unknown state"
-                                parents[child] = (parent, action)
-                                order.append(child)
                                 following.append(child, child_blob)
                         if e.violation is not None:
                             result.transitions += 1
@@ -710,8 +711,7 @@ class _LazyPool:
 
 
 def _expanded(pool: _LazyPool, expander: Expander, level: Frontier,
-              batch: list[tuple[bytes, bytes]], order: list[bytes],
-              parents: dict[bytes, tuple[bytes, Action] | None]) -> Any:
+              batch: list[tuple[bytes, bytes]], parents: Visited) -> Any:
     """A batch's results in frontier order: in this process when the level
     is too narrow to share (then each state sees every key merged before it,
     the legacy loop's view), else on the pool, whose workers know the keys
@@ -721,11 +721,10 @@ def _expanded(pool: _LazyPool, expander: Expander, level: Frontier,
     workers = pool.workers
     if workers < 2 or len(level) < 2 * workers:
         return _inline(expander, batch, parents)
-    return pool.get().expand(batch, order, expander, parents)
+    return pool.get().expand(batch, parents, expander)
 
 
-def _inline(expander: Expander, level: list[tuple[bytes, bytes]],
-            parents: dict[bytes, tuple[bytes, Action] | None]) -> Any:
+def _inline(expander: Expander, level: list[tuple[bytes, bytes]], parents: Visited) -> Any:
     """Expand lazily in this process: each state sees every key merged
     before it (the legacy loop's view), so no child is pickled twice.
 

@@ -163,11 +163,11 @@ def test_the_model_checker_survives_its_actors_dying(two_nodes, monkeypatch) -> 
     kills = []
 
     class Killing(mc._RayPool):
-        def expand(self, level, order, expander, parents):
-            if len(kills) < 2 and len(order) > 200 * (len(kills) + 1):
-                kills.append(len(order))
+        def expand(self, level, visited, expander):
+            if len(kills) < 2 and len(visited) > 200 * (len(kills) + 1):
+                kills.append(len(visited))
                 self.cluster.ray.kill(self.actors[len(kills) % 2], no_restart=False)
-            return super().expand(level, order, expander, parents)
+            return super().expand(level, visited, expander)
 
     monkeypatch.setattr(mc, "_RayPool", Killing)
     alone = check(SCOPES["default"], "kvstate", out_dir=None)
@@ -181,9 +181,9 @@ def test_an_actor_that_keeps_dying_is_a_clear_error(two_nodes, monkeypatch, caps
     import sim.mc_compact as mc
 
     class Doomed(mc._RayPool):
-        def expand(self, level, order, expander, parents):
+        def expand(self, level, visited, expander):
             self.cluster.ray.kill(self.actors[0])  # no restart left (ACTOR_RESTARTS is 0)
-            return super().expand(level, order, expander, parents)
+            return super().expand(level, visited, expander)
 
     monkeypatch.setattr(mc, "_RayPool", Doomed)
     monkeypatch.setattr(mc, "ACTOR_RESTARTS", 0)
