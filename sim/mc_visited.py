@@ -2,13 +2,11 @@
 
 A long search is bounded by memory before time: the visited table grows with
 every state and is never let go of (the frontier goes to disk,
-`sim.mc_frontier`). Kept as Python objects, a state's entry cost ~220 bytes
+`sim.mc_frontier`). Kept as Python objects, a state's entry cost ~166 bytes
 in the search's process (its 16-byte key as a ``bytes`` object, 57; the dict
-entry, the (parent, action) tuple and the discovery-order list, ~165) and
-~90 more in every worker process or Ray actor, each of which keeps every key
-to skip the children it already knows (measured with `tracemalloc` on
-138,000 keys: ``python -m sim.mc_visited`` prints it again beside this
-table's figures).
+entry, the (parent, action) tuple and the discovery-order list; more where
+each action is a tuple of its own) and ~91 in every worker process or Ray
+actor, each of which keeps every key to skip the children it already knows.
 
 `KeySet` packs the keys end to end in one ``bytearray``, in the order they
 were added, with an open-addressing index beside it (an ``array`` of
@@ -19,11 +17,13 @@ same in every process: the index pickles with the keys). `Visited` adds, per
 key, the position of the key it was reached from and the number of the
 action (actions are few: an engine step, a rank's call with one of four
 answers, ...), which is all a shortest counterexample needs
-(`sim.modelcheck.path_to` walks it as it walks the dict). About 16 bytes of
-key, 8 to 16 of index, 8 of parent and 4 of action: ~40-50 bytes a state for
-the search, ~30 for a worker. Probing is Python, about a microsecond a
-lookup; a state costs ~0.4 ms to expand, so the table's share stays near 1 %
-(``kvstate bench modelcheck`` runs on it).
+(`sim.modelcheck.path_to` walks it as it walks the dict). 16 bytes of key,
+8 to 16 of index (4-byte positions, the table between a quarter and half
+full), 8 of parent and 4 of action: ~39 bytes a state for the search, ~27
+for a worker (``kvstate bench modelcheck`` measures both, beside the dict
+and set, with `tracemalloc`, in its ``visited_*`` rows). Probing is Python:
+~1.6 us an insert and ~0.5 us a lookup against ~0.3 and ~0.06 for the dict;
+a state costs ~0.7 ms to expand and merge, so under 1 %.
 
 The order of the keys is the discovery order: a worker is told the keys
 merged since its last call as one slice of the packed bytes
@@ -150,7 +150,7 @@ class KeySet:
         self._slots = array("i")
         self._slots.frombytes(slots)
         self._mask = len(self._slots) - 1
-        if len(packed) % WIDTH or len(self._slots) & self._mask or \
+        if len(packed) % WIDTH or not self._slots or len(self._slots) & self._mask or \
                 2 * self._count > len(self._slots):
             raise ValueError(f"not a packed key table ({len(packed)} bytes of keys, "
                              f"{len(self._slots)} slots)")

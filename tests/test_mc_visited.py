@@ -110,3 +110,5 @@ def test_damaged_packed_keys_and_tables_are_refused() -> None:
         Visited().__setstate__((keys, b"", action_of, actions))
     with pytest.raises(ValueError, match="not a packed key table"):
         Visited().__setstate__(((keys[0] + b"xx", keys[1]), parents, action_of, actions))
+    with pytest.raises(ValueError, match="not a packed key table"):
+        Visited().__setstate__(((keys[0], b""), parents, action_of, actions))
