@@ -88,7 +88,7 @@ import pickle
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -562,6 +562,26 @@ def apply(scope: Scope, s: System, action: Action, symmetric: set[int]) -> None:
     else:  # pragma: no cover - actions come from `enabled`
         raise ValueError(f"unknown model-checker action {action!r}")
     s.answers.reset()
+
+
+def random_walk(scope: Scope, seed: int, steps: int = 40, *, protocol: str = "kvstate",
+                start: System | None = None) -> Iterator[System]:
+    """A random path through ``scope`` (``seed`` picks each enabled action):
+    yields the state after each action, the same object stepped on, until
+    ``steps`` actions or nothing is enabled. ``start``: the state to step on
+    (default: a fresh initial state). For tests that need states the search
+    can reach without running it."""
+    import random
+
+    rng = random.Random(seed)
+    symmetric = _symmetric(scope)
+    s = start if start is not None else initial(scope, protocol)
+    for _ in range(steps):
+        actions = enabled(scope, s)
+        if not actions:
+            return
+        apply(scope, s, rng.choice(actions), symmetric)
+        yield s
 
 
 def _constants(s: System) -> dict[int, str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import random
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import pytest
 from sim import mc_compact, mc_state
 from sim.mc_compact import check_compact, fast_digest
 from sim.mc_state import SharedStateChanged, _fields, codec_for
-from sim.modelcheck import SCOPES, _symmetric, apply, enabled
+from sim.modelcheck import SCOPES, _symmetric, apply, enabled, random_walk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,15 +25,9 @@ def _codec_walks(seeds: int, steps: int = 40):
     template as the engine does: yields (scope name, codec, state)."""
     for name, scope in SCOPES.items():
         codec = codec_for(scope, "kvstate", True, None)
-        symmetric = _symmetric(scope)
         for seed in range(seeds):
-            rng = random.Random(seed)
-            s = codec.loads(codec.dumps(codec.template))
-            for _ in range(steps):
-                actions = enabled(scope, s)
-                if not actions:
-                    break
-                apply(scope, s, rng.choice(actions), symmetric)
+            start = codec.loads(codec.dumps(codec.template))
+            for s in random_walk(scope, seed, steps, start=start):
                 yield name, codec, s
 
 
@@ -187,13 +180,9 @@ def test_a_state_stored_here_loads_in_another_process() -> None:
     there (another string-hash seed too)."""
     scope = SCOPES["decode2"]
     codec = codec_for(scope, "kvstate", True, None)
-    rng = random.Random(7)
     s = codec.loads(codec.dumps(codec.template))
-    for _ in range(12):
-        actions = enabled(scope, s)
-        if not actions:
-            break
-        apply(scope, s, rng.choice(actions), _symmetric(scope))
+    for _ in random_walk(scope, 7, 12, start=s):  # steps ``s`` itself
+        pass
     blob = codec.dumps(s)
     program = (
         "import sys, pickle\n"

@@ -22,6 +22,7 @@ from sim.modelcheck import (
     check,
     enabled,
     initial,
+    random_walk,
     replay_actions,
 )
 from sim.replay import replay_trace
@@ -359,20 +360,9 @@ def test_the_compact_digest_writes_the_legacy_bytes_on_random_walks() -> None:
 def _walks(seeds: int, steps: int = 40):
     """Every scope, ``seeds`` random walks of up to ``steps`` actions: yields
     (scope name, seed, state) after each action."""
-    import random
-
-    from sim.modelcheck import _symmetric
-
     for name, scope in SCOPES.items():
-        symmetric = _symmetric(scope)
         for seed in range(seeds):
-            rng = random.Random(seed)
-            s = initial(scope, "kvstate")
-            for _ in range(steps):
-                actions = enabled(scope, s)
-                if not actions:
-                    break
-                apply(scope, s, rng.choice(actions), symmetric)
+            for s in random_walk(scope, seed, steps):
                 yield name, seed, s
 
 
