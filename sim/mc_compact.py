@@ -669,6 +669,9 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                             time.perf_counter() - last_saved >= checkpoint_every):
                         write(level, following)
                         last_saved = time.perf_counter()
+        except BaseException:
+            expander.codec.changed()  # a spoiled template is not used again
+            raise
         finally:
             pool.close()
             result.workers = pool.started()

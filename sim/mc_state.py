@@ -233,18 +233,29 @@ class StateCodec:
     def _shared_bytes(self) -> list[bytes]:
         return [pickle.dumps(values, protocol=5) for *_, values in self.templates]
 
-    def check_unchanged(self) -> None:
-        """Raise `SharedStateChanged` naming the class and field if a shared
-        value is not what it was when the codec was made."""
+    def changed(self) -> list[str]:
+        """The shared fields ("Class.field") whose values are not what they
+        were when the codec was made. A codec with any is dropped from this
+        process's registry: the next search of the scope makes a new
+        template. (Also called as a search ends by an exception, say a
+        worker's: this process's template may be spoiled as well.)"""
+        found = []
         for (cls, _, _, values), names, before in zip(self.templates, self._shared_names,
                                                       self._at_start):
             if pickle.dumps(values, protocol=5) == before:
                 continue
             old = pickle.loads(before)
-            changed = [n for n, a, b in zip(names, old, values)
-                       if pickle.dumps(a, protocol=5) != pickle.dumps(b, protocol=5)]
+            found += [f"{cls.__name__}.{n}" for n, a, b in zip(names, old, values)
+                      if pickle.dumps(a, protocol=5) != pickle.dumps(b, protocol=5)]
+        if found and _CODECS.get(self.name) is self:
+            del _CODECS[self.name]
+        return found
+
+    def check_unchanged(self) -> None:
+        """Raise `SharedStateChanged` naming the fields `changed` finds."""
+        found = self.changed()
+        if found:
             raise SharedStateChanged(
-                f"{cls.__name__}.{', '.join(changed) or '?'} changed in place during the "
-                f"search, but every stored state shares it (sim.mc_state.SHARED_FIELDS): "
-                f"the search's states and verdict cannot be trusted; take the field out of "
-                f"SHARED_FIELDS")
+                f"{', '.join(found)} changed in place during the search, but every stored "
+                f"state shares it (sim.mc_state.SHARED_FIELDS): the search's states and "
+                f"verdict cannot be trusted; take the field out of SHARED_FIELDS")

@@ -15,7 +15,7 @@ import pytest
 from sim import mc_compact, mc_state
 from sim.mc_compact import check_compact, fast_digest
 from sim.mc_state import SharedStateChanged, _fields, codec_for
-from sim.modelcheck import SCOPES, _symmetric, apply, enabled, random_walk
+from sim.modelcheck import SCOPES, _symmetric, apply, check, enabled, random_walk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,7 +149,8 @@ def test_a_shared_field_the_core_rebinds_is_written_whole_and_changes_nothing(
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_shared_value_changed_in_place_stops_the_search(monkeypatch, workers: int) -> None:
     """Every stored state shares the template's values: one changed in place
-    would change them all, so the search stops and names the field."""
+    would change them all, so the search stops and names the field; the
+    spoiled template is dropped, so the next search of the scope is sound."""
     real_apply = mc_compact.apply
     calls = [0]
 
@@ -159,11 +160,19 @@ def test_a_shared_value_changed_in_place_stops_the_search(monkeypatch, workers: 
         if calls[0] == 50:
             s.h.ranks[0].prefixes.append("changed")
 
-    monkeypatch.setattr(mc_compact, "apply", changing)
-    with pytest.raises(Exception) as raised:
-        check_compact(SCOPES["churn"], "kvstate", out_dir=None, workers=workers)
+    scope = SCOPES["churn"]
+    spoiled = codec_for(scope, "kvstate", True, None)
+    with monkeypatch.context() as patch:
+        patch.setattr(mc_compact, "apply", changing)
+        with pytest.raises(Exception) as raised:
+            check_compact(scope, "kvstate", out_dir=None, workers=workers)
     assert isinstance(raised.value, (SharedStateChanged, mc_compact.WorkerError))
     assert "Executor.prefixes changed in place" in str(raised.value)
+    if workers == 1:  # (with 2 the worker's copy was spoiled, then ended with its pool)
+        assert codec_for(scope, "kvstate", True, None) is not spoiled
+    after = check_compact(scope, "kvstate", out_dir=None, max_states=300)
+    assert after.outcome == check(scope, "kvstate", engine="legacy", out_dir=None,
+                                  max_states=300).outcome
 
 
 def test_a_state_of_a_search_this_process_never_started_is_refused(monkeypatch) -> None:
