@@ -128,6 +128,22 @@ def test_every_scopes_search_writes_no_shared_object_whole() -> None:
         assert codec.written_whole == before, name
 
 
+def test_listing_a_field_the_core_rebinds_is_noticed(monkeypatch) -> None:
+    """The check above fires on the mistake it guards against: ``absent``
+    listed as shared (it was, at first)."""
+    from kvstate.invariants import Monitor
+
+    monkeypatch.setattr(mc_state, "_CODECS", {})
+    monkeypatch.setitem(mc_state.SHARED_FIELDS, Monitor,
+                        mc_state.SHARED_FIELDS[Monitor] | {"absent"})
+    scope = SCOPES["default"]
+    codec = codec_for(scope, "kvstate", True, None)
+    r = check_compact(scope, "kvstate", out_dir=None, max_states=300)
+    assert codec.written_whole > 0
+    assert r.outcome == check(scope, "kvstate", engine="legacy", out_dir=None,
+                              max_states=300).outcome
+
+
 def test_a_shared_field_the_core_rebinds_is_written_whole_and_changes_nothing(
         monkeypatch) -> None:
     scope = SCOPES["default"]
