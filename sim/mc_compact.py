@@ -55,6 +55,7 @@ forbids. What is left is parallelism: states/s scale with ``workers``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -329,14 +330,11 @@ class SliceWorker:
         (`kvstate.coverage.add_fired`)."""
         self.seen.add_packed(known)
         try:
-            if not record:
-                out = expand_slice(self.expander, chunk, self.seen)
-                self.expander.codec.check_unchanged()
-                return SliceResult(out)
-            with recording() as fired:
+            with recording() if record else contextlib.nullcontext() as coverage:
                 out = expand_slice(self.expander, chunk, self.seen)
             self.expander.codec.check_unchanged()
-            return SliceResult(out, frozenset(fired.fired))
+            return SliceResult(out, frozenset(coverage.fired) if coverage is not None
+                               else frozenset())
         except Exception:
             import traceback
 

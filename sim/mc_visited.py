@@ -196,14 +196,8 @@ class Visited(KeySet, Mapping[bytes, "tuple[bytes, Any] | None"]):
             return None
         return self.key(parent), self._actions[self._action_of[n]]
 
-    def __contains__(self, key: object) -> bool:
-        return KeySet.__contains__(self, key)
-
-    def __iter__(self) -> Iterator[bytes]:
-        return KeySet.__iter__(self)
-
-    def __len__(self) -> int:
-        return self._count
+    # ``in``, ``len`` and iteration are KeySet's (first in the MRO, so
+    # Mapping's generic ``__contains__`` is not used).
 
     def copy(self) -> Visited:
         other = Visited()
