@@ -188,13 +188,12 @@ def render_markdown() -> str:
         "numbers (`kvstate trace observed` strips a trace to its observed layer). The plan's",
         "`preempted`/`finished` generation keys, left out, come from the step's scheduler",
         "output the same way.",
-        "",
-        "## Records",
-        "",
-        "| record | observed fields | may be left out (reads as) | annotations | "
-        "vLLM 0.33.0 source |",
-        "|---|---|---|---|---|",
     ]
+    out += _header_rows()
+    out += ["", "## Records", "",
+            "| record | observed fields | may be left out (reads as) | annotations | "
+            "vLLM 0.33.0 source |",
+            "|---|---|---|---|---|"]
     holders = {holder: (kind, names) for kind, (holder, names) in ANNOTATIONS.items()
                if holder is not None}
     for name in sorted(OBSERVATIONS):
@@ -224,6 +223,33 @@ def render_markdown() -> str:
         out.append(f"| `{nested}` (nested) | {', '.join(observed)} | {', '.join(left)} | - | "
                    "- |")
     return "\n".join(out) + "\n"
+
+
+def _header_rows() -> list[str]:
+    """The header line's fields, from its JSON schema (one source)."""
+    import json
+
+    from kvstate.trace.schema import header_schema
+
+    schema = header_schema()
+    rows = ["", "## Header", "",
+            "Line 1 is one JSON object; keys other than these are kept as written "
+            "(`seed`, `options`, `producer`...).", "",
+            "| field | required | values | meaning |", "|---|---|---|---|"]
+    for name, field in schema["properties"].items():
+        if "const" in field:
+            values = json.dumps(field["const"])
+        elif "enum" in field:
+            values = ", ".join(json.dumps(v) for v in field["enum"])
+        elif field.get("type") == "array":
+            values = f"array of `{field['items']['$ref'].rsplit('/', 1)[-1]}`"
+        else:
+            values = field.get("type", "")
+        if "default" in field:
+            values += f" (default {json.dumps(field['default'])})"
+        rows.append(f"| `{name}` | {'yes' if name in schema['required'] else 'no'} | "
+                    f"{values} | {field.get('description', '')} |")
+    return rows
 
 
 def _type_name(annotation: Any) -> str:

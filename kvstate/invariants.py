@@ -95,8 +95,9 @@ CATALOGUE: tuple[Invariant, ...] = (
     Invariant("S6", "Every pin is eventually released", "liveness", "Quiescent",
               "missing-finally", "store-raises", "vLLM#43742"),
     Invariant("S7", "Only full blocks of computed tokens are saved, aligned to the lcm",
-              "safety", "Planned, PutDone", "fault: a meta beyond the computed tokens",
-              "synthetic", "LMCache#2929"),
+              "safety", "Planned, JobStarted, PutDone",
+              "fault: a meta beyond the computed tokens, or a rank aligning to the block "
+              "size, not the lcm", "synthetic", "LMCache#2929"),
     Invariant("S8", "A key depends only on prefix hash, model, rank namespace and group",
               "safety", "PutDone", "key-without-rank", "reverse-ranks", "vLLM#56971"),
     Invariant("S9", "No job puts a key the store already holds without checking it first",
@@ -677,6 +678,13 @@ class Monitor:
             self.fail("S4", f"rank {obs.rank} started job {obs.job_id}, which is not outstanding")
             return
         job.token_len = obs.token_len
+        lcm = self.config.lcm_block_size
+        if obs.token_len % lcm:
+            # The put-side S7 check trusts this length, so it must be aligned
+            # itself: a rank that rounds to the block size instead of the lcm
+            # stores a hybrid prefix no lookup at an lcm boundary can use.
+            self.fail("S7", f"rank {obs.rank} job {obs.job_id} aligned its length to "
+                      f"{obs.token_len}, not a multiple of the lcm {lcm}")
         gen_key = (obs.req_id, obs.generation)
         gen = self.gens.get(gen_key)
         if gen is not None and gen.preempted:

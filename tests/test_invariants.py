@@ -11,7 +11,7 @@ import pytest
 from kvstate.config import ConnectorConfig
 from kvstate.invariants import CATALOGUE, INVARIANTS, Monitor
 from kvstate.keys import key_prefix
-from kvstate.observations import Planned, StepScheduled
+from kvstate.observations import JobStarted, Planned, StepScheduled
 from kvstate.planner import Planner
 from kvstate.records import (
     CachedRequest,
@@ -109,6 +109,22 @@ def test_s7_a_meta_beyond_the_computed_tokens_fires() -> None:
         new=(NewRequest("a", tuple(range(12)), 0, 6, ((1, 2),), ()),))))
     monitor.observe(Planned(Plan(step=1, saves=(_meta(1, 0, 8),), started=(_started(),))))
     assert monitor.fired() == {"S7"}
+
+
+def test_s7_a_rank_aligning_a_hybrid_job_to_the_block_size_fires() -> None:
+    # Two 4-token blocks per lcm chunk (a hybrid model's full-attention
+    # boundary): a rank must round the job's 12 tokens down to 8, not keep 12.
+    config = ConnectorConfig(block_size=4, alignment=8)
+    monitor = _monitor(config)
+    monitor.observe(StepScheduled(SchedulerStep(
+        new=(NewRequest("a", tuple(range(12)), 0, 12, ((1, 2, 3),), ()),))))
+    monitor.observe(Planned(Plan(step=1, saves=(_meta(1, 0, 12),), started=(_started(),))))
+    monitor.observe(JobStarted(0, 1, "a", 1, True, 0, 8, 1, None))
+    assert monitor.fired() == set()
+    monitor.observe(JobStarted(1, 1, "a", 1, True, 0, 12, 1, None))
+    assert monitor.fired() == {"S7"}
+    assert "rank 1 job 1 aligned its length to 12, not a multiple of the lcm 8" in (
+        monitor.findings[0].message)
 
 
 def test_findings_name_invariant_event_and_message() -> None:

@@ -354,6 +354,7 @@ def test_the_vllm_functions_match_vllms_own() -> None:
 @pytest.mark.parametrize("field, value", [
     ("block_hash", "md5"), ("block_hash", ["kvstate"]), ("none_hash", "zz"),
     ("none_hash", 12), ("liveness_steps", 0), ("liveness_steps", "many"),
+    ("store", "Shared"), ("store", True),
 ])
 def test_bad_hash_fields_in_the_header_exit_2(tmp_path: Path, capsys, field: str,
                                               value: Any) -> None:
@@ -610,7 +611,8 @@ def traces(draw: st.DrawFn) -> list[Any]:
                     t = line["t"] = max(t, line["t"]) if isinstance(line.get("t"), float) else t
         elif op == "header" and isinstance(lines[0], dict):
             lines[0][draw(st.sampled_from(["protocol", "block_hash", "none_hash",
-                                           "liveness_steps", "configs"]))] = draw(_json_values())
+                                           "liveness_steps", "configs", "store"]))] = \
+                draw(_json_values())
     return lines
 
 

@@ -27,6 +27,11 @@ from kvstate.contract import ANNOTATIONS, OMITTABLE
 
 TRACE_VERSION = 1
 
+# The header's "store": who else writes the store the trace's engines use.
+# "shared" turns a hit on a key no engine of the trace stored into a note
+# (`kvstate.invariants.Monitor`, ``shared_store``) instead of an S20 finding.
+STORE_KINDS = ("private", "shared")
+
 # What a header may ask for. Monitors and replay allocate per engine, rank and
 # group, so these are checked before anything is built: a hostile header costs
 # no more than its own length.
@@ -429,6 +434,11 @@ def read_header(text: str, where: str) -> dict[str, Any]:
     if name not in _blockhash.NAMES:
         raise TraceError(where, "block_hash", f"{name!r} is not one of "
                          f"{', '.join(_blockhash.NAMES)}")
+    store = data.get("store", "private")
+    if store not in STORE_KINDS:
+        # A misspelt "shared" would otherwise read as private without a word,
+        # and every hit on another writer's key would be blamed on the trace.
+        raise TraceError(where, "store", f"{store!r} is not one of {', '.join(STORE_KINDS)}")
     steps = data.get("liveness_steps")
     if steps is not None and not (type(steps) is int and 1 <= steps <= 1 << 62):
         raise TraceError(where, "liveness_steps", f"expected an integer >= 1, got {steps!r}")

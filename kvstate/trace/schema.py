@@ -11,7 +11,7 @@ import attrs
 
 from kvstate import blockhash as _blockhash
 from kvstate.contract import OMITTABLE
-from kvstate.trace.codec import ENUMS, LIMITS, OBSERVATIONS, RECORDS, TRACE_VERSION
+from kvstate.trace.codec import ENUMS, LIMITS, OBSERVATIONS, RECORDS, STORE_KINDS, TRACE_VERSION
 
 
 def _schema_of(annotation: Any) -> dict[str, Any]:
@@ -79,8 +79,22 @@ def trace_schema() -> dict[str, Any]:
             "t": {"type": "number"}, "type": {"const": name}})
         schema["required"] = ["i", "e", "t", "type", *schema["required"]]
         lines.append(schema)
-    header = {"type": "object", "properties": {
-        "kvstate_trace": {"const": TRACE_VERSION},
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://github.com/kvstate/kvstate/specs/trace.schema.json",
+        "title": f"kvstate trace, version {TRACE_VERSION}",
+        "description": "Line 1 is the header; every further line is one observation. "
+                       "Generated from kvstate.trace; do not edit.",
+        "$defs": {**defs, "header": header_schema()},
+        "oneOf": [{"$ref": "#/$defs/header"}, *lines],
+    }
+
+
+def header_schema() -> dict[str, Any]:
+    """The header line's schema (also rendered as ``specs/trace.md``'s
+    header table; `kvstate.trace.codec.read_header` checks the same)."""
+    return {"type": "object", "properties": {
+        "kvstate_trace": {"const": TRACE_VERSION, "description": "the trace format's version"},
         "configs": {"type": "array", "items": {"$ref": "#/$defs/ConnectorConfig"}, "minItems": 1,
                     "maxItems": LIMITS["engines"],
                     "description": "one ConnectorConfig per engine; observation field 'e' "
@@ -96,13 +110,7 @@ def trace_schema() -> dict[str, Any]:
         "liveness_steps": {"type": "integer", "minimum": 1, "description": "steps after "
                            "which a job or pin still held where the trace ends is stuck "
                            "(kvstate check --liveness-steps overrides it)"},
+        "store": {"enum": list(STORE_KINDS), "default": "private", "description": "'shared' "
+                  "when writers outside the trace use the same store: a hit on a key no "
+                  "engine of the trace stored is then a note, not an S20 violation"},
     }, "required": ["kvstate_trace", "configs"]}
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "https://github.com/kvstate/kvstate/specs/trace.schema.json",
-        "title": f"kvstate trace, version {TRACE_VERSION}",
-        "description": "Line 1 is the header; every further line is one observation. "
-                       "Generated from kvstate.trace; do not edit.",
-        "$defs": {**defs, "header": header},
-        "oneOf": [{"$ref": "#/$defs/header"}, *lines],
-    }
