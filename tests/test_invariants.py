@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.config import ConnectorConfig
+from kvstate.config import ConnectorConfig, GroupKind, GroupSpec
 from kvstate.invariants import CATALOGUE, INVARIANTS, Monitor
 from kvstate.keys import key_prefix
-from kvstate.observations import JobStarted, Planned, StepScheduled
+from kvstate.observations import JobStarted, LookupDone, Planned, StepScheduled
 from kvstate.planner import Planner
 from kvstate.records import (
     CachedRequest,
@@ -124,6 +124,22 @@ def test_s7_a_rank_aligning_a_hybrid_job_to_the_block_size_fires() -> None:
     monitor.observe(JobStarted(1, 1, "a", 1, True, 0, 12, 1, None))
     assert monitor.fired() == {"S7"}
     assert "rank 1 job 1 aligned its length to 12, not a multiple of the lcm 8" in (
+        monitor.findings[0].message)
+
+
+def test_s20_a_hybrid_lookup_claiming_a_hit_past_its_hash_chain_is_one_finding() -> None:
+    # A trace's hit_tokens is whatever the file says: a hit of a million
+    # chunks on a two-chunk chain is one S20 finding, not a million (which
+    # is what the checker did, looping over the claimed hit).
+    config = ConnectorConfig(block_size=4, groups=(
+        GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 8)))
+    monitor = _monitor(config)
+    chain = (b"\x01" * 32, b"\x02" * 32)
+    monitor.observe(LookupDone("a", 1, 8, chain, (), (), 4 * 1_000_000))
+    # The claim, then the two chunks the chain does cover, which the store
+    # was never asked about (no keys): three findings in all.
+    assert [f.invariant for f in monitor.findings] == ["S20"] * 3, monitor.findings[:4]
+    assert "counted 1000000 chunks as a hit but its hash chain of 2 hashes covers 2" in (
         monitor.findings[0].message)
 
 
