@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sim.cli import main
-from sim.mc_checkpoint import CheckpointError, load
+from sim.mc_checkpoint import DIGEST_BYTES, FORMAT, MAGIC, CheckpointError, load
 from sim.modelcheck import SCOPES, check
 
 
@@ -112,6 +112,8 @@ def test_bad_checkpoints_are_usage_errors_that_say_what_is_wrong(tmp_path, capsy
                  "--no-progress"]) == 0
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(Path(good).read_bytes()[:500])
+    older = tmp_path / "older.ckpt"  # the layout of format 3: this one with no digest
+    older.write_bytes(_started_as(FORMAT - 1, Path(good).read_bytes()[:-DIGEST_BYTES]))
     other = tmp_path / "dict.ckpt"
     other.write_bytes(pickle.dumps({"states": 1}))
     text = tmp_path / "notes.txt"
@@ -119,7 +121,9 @@ def test_bad_checkpoints_are_usage_errors_that_say_what_is_wrong(tmp_path, capsy
     cases = [
         (["--resume", str(tmp_path / "missing.ckpt")], "cannot open (No such file"),
         (["--resume", str(text)], "not a model-checker checkpoint (it does not start like"),
-        (["--resume", str(truncated)], "not a readable model-checker checkpoint"),
+        (["--resume", str(truncated)], f"{truncated}: a damaged checkpoint"),
+        (["--resume", str(older)], f"checkpoint format {FORMAT - 1}; this kvstate reads "
+                                   f"format {FORMAT}"),
         (["--resume", str(other)], "not a model-checker checkpoint (it starts with a dict)"),
         (["--resume", good, "--scope", "default"], "a checkpoint of scope 'tiny', not"),
         (["--resume", good, "--protocol", "e2"], "a checkpoint of protocol 'kvstate'"),
@@ -134,6 +138,89 @@ def test_bad_checkpoints_are_usage_errors_that_say_what_is_wrong(tmp_path, capsy
         err = capsys.readouterr().err
         assert expected in err and "Traceback" not in err, (argv, err)
     assert Path(good).read_bytes()[:1] == b"\x80"  # none of that touched the good one
+
+
+def _started_as(format: int, data: bytes) -> bytes:
+    """``data``, a checkpoint, as if it said it were of ``format``."""
+    mine, theirs = (pickle.dumps((MAGIC, f), protocol=5) for f in (FORMAT, format))
+    assert data.startswith(mine) and len(mine) == len(theirs)
+    return theirs + data[len(mine):]
+
+
+def _mid_level(tmp_path, scope: str = "churn", merges: int = 100) -> Path:
+    """A real checkpoint of a search stopped inside a level: states visited,
+    and states waiting in both frontiers."""
+    path = tmp_path / f"{scope}.ckpt"
+    check(SCOPES[scope], "kvstate", out_dir=None, stop=_after(merges), checkpoint=str(path))
+    saved = load(str(path))
+    assert saved.rest and saved.following and len(saved.parents) > merges
+    return path
+
+
+def test_a_checkpoint_damaged_at_any_byte_is_refused_when_it_is_loaded(tmp_path) -> None:
+    """One byte changed anywhere (the start that says what the file is, the
+    header, the visited table, a waiting state, the digest itself) is refused
+    by `load` as damage: before, most such files loaded, their states to be
+    unpickled mid-search (a traceback) or not at all (a wrong search, exit 0)."""
+    good = _mid_level(tmp_path)
+    data = good.read_bytes()
+    start, end = range(128), range(len(data) - 96, len(data))
+    spread = range(0, len(data), max(1, len(data) // 400))
+    positions = sorted({*start, *spread, *end})
+    assert len(positions) > 500
+    damaged = tmp_path / "damaged.ckpt"
+    for n, at in enumerate(positions):
+        flipped = bytearray(data)
+        flipped[at] ^= (0x01, 0x80, 0xFF)[n % 3]
+        damaged.write_bytes(flipped)
+        with pytest.raises(CheckpointError) as refused:
+            load(str(damaged))
+        assert str(refused.value).startswith(f"{damaged}: a damaged checkpoint"), (
+            at, str(refused.value))
+    assert good.read_bytes() == data and load(str(good)).rest  # the good one is untouched
+
+
+def test_a_checkpoint_cut_short_or_added_to_is_refused_as_damaged(tmp_path) -> None:
+    data = _mid_level(tmp_path, "default", 60).read_bytes()
+    start = len(pickle.dumps((MAGIC, FORMAT), protocol=5))
+    changed = tmp_path / "changed.ckpt"
+    lengths = [0, 1, start - 1, start, start + 1, start + DIGEST_BYTES - 1,
+               start + DIGEST_BYTES, len(data) // 3, len(data) // 2,
+               len(data) - DIGEST_BYTES - 1, len(data) - DIGEST_BYTES,
+               len(data) - DIGEST_BYTES + 1, len(data) - 1]
+    for cut in [data[:n] for n in lengths] + [data + b"\0", data + data[-DIGEST_BYTES:]]:
+        changed.write_bytes(cut)
+        with pytest.raises(CheckpointError) as refused:
+            load(str(changed))
+        if len(cut) >= start:  # less is not even the start of one (the tests above)
+            assert str(refused.value).startswith(f"{changed}: a damaged checkpoint"), (
+                len(cut), str(refused.value))
+
+
+def test_a_damaged_checkpoint_is_a_usage_error_before_the_search_starts(
+        tmp_path, capsys) -> None:
+    """The audit's case: ``churn`` stopped at 500 states, one byte of a
+    waiting state changed, then resumed: exit 2 naming the file and what is
+    wrong, no traceback, nothing searched, the file as it was; the intact
+    file goes on."""
+    good = str(tmp_path / "churn.ckpt")
+    assert main(["modelcheck", "--scope", "churn", "--workers", "1", "--checkpoint", good,
+                 "--max-states", "500", "--no-progress"]) == 0
+    data = Path(good).read_bytes()
+    capsys.readouterr()
+    damaged = tmp_path / "damaged.ckpt"
+    for at in (len(data) // 2, len(data) - DIGEST_BYTES - 100):
+        flipped = bytearray(data)
+        flipped[at] ^= 0x20
+        damaged.write_bytes(flipped)
+        assert main(["modelcheck", "--workers", "1", "--resume", str(damaged),
+                     "--max-states", "1200", "--no-progress"]) == 2
+        out, err = capsys.readouterr()
+        assert f"{damaged}: a damaged checkpoint: its content does not match the checksum" \
+            in err and "Traceback" not in err, err
+        assert out == "" and damaged.read_bytes() == flipped
+    assert main(["modelcheck", "--workers", "1", "--resume", good, "--max-states", "1200",
+                 "--no-progress"]) == 0
 
 
 def test_the_command_line_goes_on_from_a_budget_stop(tmp_path, capsys) -> None:
