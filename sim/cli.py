@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from sim.commands import COMMANDS
@@ -41,9 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, TraceError, WorkloadError, CoverageError, MissingExtra) as exc:
         print(f"kvstate {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Whoever read the output stopped reading (`| head`): nothing went
+        # wrong here. Standard output goes to /dev/null so that the exit's own
+        # flush does not fail again; 141 is what the shell reports for a
+        # process SIGPIPE ended (128 + 13).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as exc:
-        print(f"kvstate {args.command}: error: {exc.filename or ''}: {exc.strerror}",
-              file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"kvstate {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         # Ctrl-C: no traceback; what the command printed so far stands. 130 is

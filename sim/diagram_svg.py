@@ -29,7 +29,6 @@ matplotlib is needed (``pip install 'kvstate[plot]'``).
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -104,21 +103,13 @@ class DiagramSummary:
 def check_output(svg: str) -> Path:
     """The output path, or a `UsageError` saying why it cannot be written."""
     from sim.cli import UsageError
+    from sim.commands.paths import output_file
 
     out = Path(svg)
     if out.suffix.lower() != ".svg":
         raise UsageError(f"--svg {svg}: unknown suffix {out.suffix or '(none)'!r}; "
                          "the diagram is written as SVG, to a path ending in .svg")
-    parent = out.parent
-    if not parent.is_dir():
-        raise UsageError(f"--svg {svg}: no directory {str(parent)!r}")
-    if out.is_dir():
-        raise UsageError(f"--svg {svg}: is a directory")
-    if out.exists() and not os.access(out, os.W_OK):
-        raise UsageError(f"--svg {svg}: not writable")
-    if not out.exists() and not os.access(parent, os.W_OK):
-        raise UsageError(f"--svg {svg}: directory {str(parent)!r} is not writable")
-    return out
+    return output_file(svg, "--svg")
 
 
 def _layers(machine: Machine[Any, Any]) -> dict[Any, int]:

@@ -14,7 +14,6 @@ refused with file:line:field before anything is written), once to cut.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import IO
 
@@ -46,14 +45,3 @@ def write_observed(src: str | Path, out: IO[str]) -> Cut:
                 lines_out += 1
     return Cut(lines_in, lines_out, lines_in - lines_out)
 
-
-def write_observed_file(src: str | Path, dst: str | Path) -> Cut:
-    """``write_observed`` into ``dst``, written whole or not at all."""
-    partial = Path(f"{dst}.partial")
-    try:
-        with open(partial, "w") as out:
-            cut = write_observed(src, out)
-        os.replace(partial, dst)
-    finally:
-        partial.unlink(missing_ok=True)
-    return cut

@@ -268,6 +268,7 @@ def plot_trace(path: str | Path, output: str | Path, *, title: str | None = None
 def command(args: Any) -> int:
     """``kvstate plot``: checks the extra and the output before reading the trace."""
     from sim.cli import UsageError
+    from sim.commands.paths import output_file
     from sim.extras import require
 
     require("matplotlib", "kvstate plot")
@@ -279,8 +280,7 @@ def command(args: Any) -> int:
     if kind not in known:
         raise UsageError(f"-o {args.output}: unknown image format {kind or '(no suffix)'!r}; "
                          f"known: {', '.join(sorted(known))}")
-    if not output.parent.is_dir():
-        raise UsageError(f"-o {args.output}: no directory {str(output.parent)!r}")
+    output_file(args.output, "-o")
     summary = plot_trace(args.trace, output, title=args.title)
     if args.json:
         import json

@@ -32,6 +32,7 @@ backfills it with its first decode save).
 from __future__ import annotations
 
 import hashlib
+import math
 import shlex
 import time as wallclock
 from collections import Counter, deque
@@ -60,6 +61,22 @@ from sim.workloads import Arrival, fast25, synthetic
 # source and licence).
 DEFAULT_FAST25 = Path(__file__).resolve().parent / "data" / "mooncake_fast25_conversation.jsonl.gz"
 WINDOW = 4000  # observations kept for a violation's causal window
+
+
+# The range of every numeric option (`SimOptions`). `kvstate sim` refuses a
+# value outside it (`sim.commands.options.validate_options`) and `kvstate
+# minimize` refuses it in a trace's header (`sim.minimize.options_from_trace`),
+# so every run's reproduce command is one both take. The upper bounds keep a
+# run's work bounded (minimize re-runs a header's options up to --max-runs
+# times: a hostile header must not buy unbounded work) and its configs inside
+# the trace format's `kvstate.trace.LIMITS`.
+OPTION_LIMITS: dict[str, float] = {
+    "seed": 1 << 63, "requests": 100_000, "rate": 1e9, "scale": 1 << 20, "world_size": 64,
+    "put_step": 64, "block_size": 4096, "num_blocks": 1 << 20, "store_capacity": 1 << 24,
+    "token_budget": 1 << 20, "settle_time": 1e6, "max_model_len": 1 << 30,
+    "alignment": 1 << 20,
+}
+OPTION_ZERO = {"seed", "max_model_len", "alignment"}  # integer options where 0 is meaningful
 
 
 @attrs.frozen(slots=True)
@@ -103,6 +120,22 @@ class SimOptions:
             else:
                 parts.append(f"{flag}={value}")
         return " ".join(shlex.quote(p) for p in parts)
+
+
+_DEFAULTS = SimOptions()
+
+
+def out_of_range(name: str, value: float) -> str | None:
+    """Why ``value`` is no value of the numeric option ``name`` (None when it is one)."""
+    limit = OPTION_LIMITS[name]
+    if isinstance(getattr(_DEFAULTS, name), float):
+        if not (math.isfinite(value) and 0 < value <= limit):
+            return f"expected a number in (0, {limit:g}]"
+        return None
+    low = 0 if name in OPTION_ZERO else 1
+    if not low <= value <= limit:
+        return f"expected an integer in [{low}, {limit:.0f}]"
+    return None
 
 
 @attrs.define

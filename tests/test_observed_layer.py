@@ -26,7 +26,7 @@ from kvstate.trace import TraceReader
 from kvstate.variants import VARIANTS
 from sim.check import check_trace
 from sim.cli import main
-from sim.observed import write_observed_file
+from sim.observed import write_observed
 from sim.replay import replay_trace
 from sim.runner import SimOptions, simulate
 
@@ -338,7 +338,8 @@ def test_every_variant_is_caught_from_the_observed_layer_alone(
         full = tmp_path / f"{seed}.jsonl"
         with full.open("w") as out:
             simulate(options, trace=out)
-        cut = write_observed_file(full, tmp_path / f"{seed}.observed.jsonl")
+        with (tmp_path / f"{seed}.observed.jsonl").open("w") as out:
+            cut = write_observed(full, out)
         assert cut.records_dropped > 0
         a = {f.invariant for _, _, f in check_trace(full).findings}
         b = {f.invariant for _, _, f in check_trace(tmp_path / f"{seed}.observed.jsonl").findings}

@@ -51,6 +51,7 @@ class TraceError(ValueError):
     def __init__(self, where: str, field: str, message: str) -> None:
         self.where = where
         self.field = field
+        self.message = message
         super().__init__(f"{where}: {('field ' + repr(field) + ': ') if field else ''}{message}")
 
 
@@ -420,7 +421,7 @@ def read_header(text: str, where: str) -> dict[str, Any]:
             raise TraceError(where, f"configs[{i}].groups", f"{len(raw['groups'])} groups; at "
                              f"most {LIMITS['groups']} are supported")
         config = decode_value(raw, _config.ConnectorConfig, where, f"configs[{i}]")
-        _check_limits(config, where, f"configs[{i}]")
+        check_limits(config, where, f"configs[{i}]")
         decoded.append(config)
     total = sum(c.world_size * len(c.groups) for c in decoded)
     if total > LIMITS["ranks_x_groups"]:
@@ -459,7 +460,13 @@ def header_none_hash(header: dict[str, Any]) -> bytes | None:
     return bytes.fromhex(text) if text else None
 
 
-def _check_limits(config: Any, where: str, path: str) -> None:
+def check_limits(config: Any, where: str, path: str) -> None:
+    """A `TraceError` if ``config`` asks for more than ``LIMITS`` (also what
+    the simulator checks its own configs against, so it writes no trace that
+    the reader refuses)."""
+    if len(config.groups) > LIMITS["groups"]:
+        raise TraceError(where, f"{path}.groups", f"{len(config.groups)} groups; at most "
+                         f"{LIMITS['groups']} are supported")
     checks = [("world_size", config.world_size, LIMITS["world_size"])]
     for name in ("block_size", "hash_block_size", "alignment"):
         checks.append((name, getattr(config, name), LIMITS["block_size"]))

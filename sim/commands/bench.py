@@ -10,6 +10,7 @@ from typing import Any
 from sim.commands.errors import UsageError
 from sim.commands.options import positive_int, protocol_name, ray_cluster
 from sim.commands.output import envelope, table
+from sim.commands.paths import output_dir
 
 
 def _bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             print(table(rows))
     if "tools" in parts:
         from sim.bench import bench_tools, format_tools
+
+        output_dir(args.out_dir, "--out-dir")
 
         def show(name: str, row: dict[str, Any]) -> None:
             if not args.json:

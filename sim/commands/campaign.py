@@ -6,7 +6,14 @@ import argparse
 import sys
 from typing import Any
 
-from sim.commands.options import add_protocols, nonneg_int, positive_int, ray_cluster
+from sim.commands.errors import UsageError
+from sim.commands.options import (
+    DEFAULT_BUDGET,
+    add_protocols,
+    nonneg_int,
+    positive_int,
+    ray_cluster,
+)
 from sim.commands.output import envelope
 from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
 
@@ -25,6 +32,12 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from sim.campaign import campaign, summary
+
+    if args.seeds is not None and args.budget is not None:
+        raise UsageError(f"--seeds {args.seeds} and --budget {args.budget:g}: a campaign runs "
+                         "a number of seeds or for a time, not both")
+    if args.budget is None:
+        args.budget = DEFAULT_BUDGET
 
     results = []
     # One connection for every protocol (a campaign uses the one this process
@@ -84,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser("campaign", help="many seeds per protocol; what each violates")
     add_protocols(parser)
+    parser.set_defaults(budget=None)  # DEFAULT_BUDGET unless --seeds; both is an error
     parser.add_argument("--seeds", type=positive_int, default=None,
                       help="run exactly this many seeds instead of a time budget")
     parser.add_argument("--seed", type=nonneg_int, default=0, help="first seed")

@@ -15,7 +15,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.machine not in MACHINES_BY_NAME:
         raise UsageError(f"unknown machine {args.machine!r}; known: {', '.join(MACHINES_BY_NAME)}")
-    if args.svg:
+    if args.svg is not None:
         from sim.diagram_svg import command
 
         return command(args)

@@ -7,6 +7,7 @@ from typing import Any
 
 from sim.commands.options import add_protocols, positive_int
 from sim.commands.output import envelope
+from sim.commands.paths import output_dir
 from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
 
 
@@ -20,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from sim.extras import require
 
     require("hypothesis", "kvstate fuzz")
+    output_dir(args.out_dir, "--out-dir")
     from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
     from sim.fuzz import fuzz
 

@@ -7,25 +7,36 @@ import sys
 from typing import Any
 
 from sim.commands.errors import UsageError
-from sim.commands.options import add_sim_options, options_from, positive_int
+from sim.commands.options import add_sim_options, options_from, positive_int, validate_options
 from sim.commands.output import envelope, violation_dicts
+from sim.commands.paths import output_file, written_whole
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.minimize import NothingToMinimize, minimize, options_from_trace
-    from sim.runner import simulate
+    import attrs
 
+    from sim.minimize import NothingToMinimize, minimize, options_from_trace
+    from sim.runner import SimOptions, simulate
+
+    output_file(args.out, "--out")
+    given = options_from(args)
     if args.from_trace:
+        ignored = [f"--{f.name.replace('_', '-')}" for f in attrs.fields(SimOptions)
+                   if getattr(given, f.name) != getattr(SimOptions(), f.name)]
+        if ignored:
+            raise UsageError(f"{args.from_trace}: a trace brings its run's options; give a "
+                             f"trace or options, not both ({', '.join(ignored)})")
         options = options_from_trace(args.from_trace)
     else:
-        options = options_from(args)
+        validate_options(given)
+        options = given
     progress = None if args.json else (lambda m: print(m, file=sys.stderr))
     try:
         shrunk = minimize(options, invariant=args.invariant, max_runs=args.max_runs,
                           progress=progress)
     except NothingToMinimize as exc:
         raise UsageError(str(exc)) from None
-    with open(args.out, "w") as out:
+    with written_whole(args.out) as out:
         simulate(shrunk.options, trace=out)
     if args.json:
         print(envelope({"ok": False, "violations": violation_dicts(shrunk.result),

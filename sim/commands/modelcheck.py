@@ -14,6 +14,7 @@ from typing import Any
 from sim.commands.errors import UsageError
 from sim.commands.options import add_protocols, positive_float, positive_int, ray_cluster
 from sim.commands.output import envelope
+from sim.commands.paths import output_dir
 from sim.commands.progress import Bar, add_progress_option, progress_for
 
 
@@ -97,8 +98,10 @@ def _goes_on(r: Any, checkpoint: str | None) -> bool:
 def run(args: argparse.Namespace) -> int:
     from sim.modelcheck import SCOPES
 
+    output_dir(args.out_dir, "--out-dir")
     resume = _resumed(args) if args.resume is not None else None
-    scope_name = args.scope or (resume.scope.name if resume is not None else "default")
+    scope_name = args.scope if args.scope is not None else (
+        resume.scope.name if resume is not None else "default")
     names = list(SCOPES) if scope_name == "all" else [scope_name]
     if resume is None and any(n not in SCOPES for n in names):
         raise UsageError(f"unknown scope {scope_name!r}; known: all, {', '.join(SCOPES)}")

@@ -127,12 +127,30 @@ def options_from(args: argparse.Namespace) -> Any:
 
 
 def validate_options(options: Any) -> None:
-    from sim.runner import build_configs
+    """Refuse options `kvstate minimize` would refuse in the run's trace, or
+    configs the trace reader would refuse: what ``sim`` runs, the rest of the
+    tools take (`sim.runner.OPTION_LIMITS`, `kvstate.trace.LIMITS`)."""
+    from kvstate.trace.codec import TraceError, check_limits
+    from sim.runner import OPTION_LIMITS, build_configs, out_of_range
 
+    for name in OPTION_LIMITS:
+        value = getattr(options, name)
+        why = out_of_range(name, value)
+        if why:
+            raise UsageError(f"--{name.replace('_', '-')}={value}: {why}")
     try:
-        build_configs(options)
+        configs = build_configs(options)
     except ValueError as exc:
         raise UsageError(str(exc).replace("ConnectorConfig.", "--").replace("_", "-")) from None
+    for config in configs:
+        try:
+            check_limits(config, "", "config")
+        except TraceError as exc:
+            raise UsageError(f"the run's config, {exc.field.removeprefix('config.')}: "
+                             f"{exc.message} (a trace's limit, kvstate.trace.LIMITS)") from None
+    if options.fast25_path and options.workload != "fast25":
+        raise UsageError(f"--fast25-path {options.fast25_path}: only read with --workload "
+                         "fast25 (the workload is synthetic)")
     from sim.engine import kv_capacity_tokens
 
     capacity = kv_capacity_tokens(options.num_blocks, options.block_size, len(options.groups))
@@ -142,12 +160,15 @@ def validate_options(options: Any) -> None:
                          f"{capacity} tokens (--num-blocks x --block-size)")
 
 
+DEFAULT_BUDGET = 60.0  # seconds per protocol of a search (campaign, fuzz)
+
+
 def add_protocols(parser: argparse.ArgumentParser, *, budget: bool = True) -> None:
     """``--protocol`` (repeatable) and, for the searches, ``--budget`` per protocol."""
     parser.add_argument("--protocol", type=protocol_name, action="append",
                         help="variant (repeatable; default: kvstate)")
     if budget:
-        parser.add_argument("--budget", type=positive_float, default=60.0,
+        parser.add_argument("--budget", type=positive_float, default=DEFAULT_BUDGET,
                             help="seconds per protocol")
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 from sim.commands.options import add_sim_options, options_from, validate_options
 from sim.commands.output import envelope, print_violation, table, violation_dicts
+from sim.commands.paths import output_file, written_whole
 from sim.commands.progress import add_progress_option, progress_for
 
 
@@ -15,18 +17,16 @@ def run(args: argparse.Namespace) -> int:
 
     options = options_from(args)
     validate_options(options)
-    out = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
-    try:
-        with progress_for(args, label=options.protocol, total=options.requests,
-                          unit="arrived") as bar:
-            # arrivals so far (every 200) of --requests; then it settles
-            result = simulate(options, trace=out, hash_trace=args.check_determinism,
-                              progress=(lambda done, total: bar.update(completed=done))
-                              if bar.active else None,
-                              stop_at_first=not args.keep_going)
-    finally:
-        if out is not None:
-            out.close()
+    if args.trace is not None:
+        output_file(args.trace, "--trace")
+    with (written_whole(args.trace) if args.trace is not None else contextlib.nullcontext()) \
+            as out, progress_for(args, label=options.protocol, total=options.requests,
+                                 unit="arrived") as bar:
+        # arrivals so far (every 200) of --requests; then it settles
+        result = simulate(options, trace=out, hash_trace=args.check_determinism,
+                          progress=(lambda done, total: bar.update(completed=done))
+                          if bar.active else None,
+                          stop_at_first=not args.keep_going)
     determinism: dict[str, Any] | None = None
     if args.check_determinism:
         with progress_for(args, label=f"{options.protocol} rerun", total=options.requests,

@@ -8,13 +8,15 @@ from typing import Any
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.observed import write_observed, write_observed_file
+    from sim.commands.paths import output_file, written_whole
+    from sim.observed import write_observed
 
     if args.output in (None, "-"):
         cut = write_observed(args.trace, sys.stdout)
     else:
-        cut = write_observed_file(args.trace, args.output)
-    if args.output not in (None, "-"):
+        output_file(args.output, "-o")
+        with written_whole(args.output) as out:
+            cut = write_observed(args.trace, out)
         print(f"{args.trace}: {cut.lines_in} lines -> {cut.lines_out} observed lines in "
               f"{args.output} ({cut.records_dropped} annotation records dropped)")
     return 0

@@ -1,0 +1,173 @@
+"""What a command is told to write and to run, refused when it starts (exit 2,
+naming the option), and files written whole or not at all: the defects an
+outside audit of the command line found, as a class (`sim.commands.paths`,
+`sim.runner.OPTION_LIMITS`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+
+from sim.cli import main
+from sim.commands.options import validate_options
+from sim.commands.paths import written_whole
+from sim.minimize import options_from_trace
+from sim.runner import OPTION_LIMITS, SimOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _refused(capsys, argv: list[str], *words: str) -> str:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+# --- Output files: the previous file survives a run that stops on its input.
+
+def test_a_bad_workload_leaves_the_previous_trace_as_it_was(tmp_path: Path, capsys) -> None:
+    previous = tmp_path / "run.jsonl"
+    assert main(["sim", "--requests", "5", "--trace", str(previous)]) == 0
+    before = previous.read_bytes()
+    bad = tmp_path / "workload.jsonl"
+    bad.write_text('{"timestamp": 1}\n')
+    _refused(capsys, ["sim", "--workload", "fast25", "--fast25-path", str(bad),
+                      "--trace", str(previous)], f"{bad}:1", "input_length")
+    assert previous.read_bytes() == before  # it was truncated to its header
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.jsonl", "workload.jsonl"]
+
+
+def test_the_workload_given_as_the_trace_is_read_before_it_is_replaced(
+        tmp_path: Path, capsys) -> None:
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({
+        "timestamp": 10 * i, "input_length": 1024, "output_length": 4, "hash_ids": [i, i + 1],
+    }) + "\n" for i in range(3)))
+    assert main(["sim", "--workload", "fast25", "--fast25-path", str(workload),
+                 "--scale", "256", "--requests", "3", "--trace", str(workload)]) == 0
+    # The run read three requests (it used to find none: the file was
+    # emptied before it was read), then its trace replaced the file.
+    out = capsys.readouterr().out
+    assert "FAST'25 trace, 3 requests" in out, out
+    assert json.loads(workload.read_text().splitlines()[0])["kvstate_trace"] == 1
+
+
+def test_written_whole_leaves_nothing_but_the_old_file_when_the_block_fails(
+        tmp_path: Path) -> None:
+    target = tmp_path / "out.jsonl"
+    target.write_text("old\n")
+    with pytest.raises(RuntimeError), written_whole(target) as out:
+        out.write("half a result\n")
+        raise RuntimeError("the run stopped")
+    assert target.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+    with written_whole(target) as out:
+        out.write("new\n")
+    assert target.read_text() == "new\n" and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+def test_a_device_is_written_in_place_not_replaced(tmp_path: Path, capsys) -> None:
+    # Renaming over /dev/null would replace the device with a file.
+    assert main(["sim", "--requests", "3", "--trace", os.devnull]) == 0
+    assert Path(os.devnull).is_char_device()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
+def test_a_full_disk_names_the_file(capsys) -> None:
+    _refused(capsys, ["sim", "--requests", "3", "--trace", "/dev/full"],
+             "/dev/full: No space left on device")
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["sim", "--trace", ""], ["--trace: an empty path"]),
+    (["sim", "--trace", "{dir}"], ["--trace", "is a directory"]),
+    (["sim", "--trace", "{dir}/missing/t.jsonl"], ["--trace", "no directory"]),
+    (["trace", "observed", "{trace}", "-o", "{dir}"], ["-o", "is a directory"]),
+    (["trace", "observed", "{trace}", "-o", ""], ["-o: an empty path"]),
+    (["diagram", "request", "--svg", ""], ["--svg", "unknown suffix"]),
+    (["minimize", "--out", "{dir}/missing/m.jsonl"], ["--out", "no directory"]),
+    (["fuzz", "--protocol", "e2", "--budget", "30", "--out-dir", "{file}"],
+     ["--out-dir", "is not a directory"]),
+    (["modelcheck", "--scope", "tiny", "--protocol", "e2", "--workers", "1",
+      "--out-dir", "{file}/below"], ["--out-dir", "is not a directory"]),
+    (["modelcheck", "--scope", ""], ["unknown scope ''"]),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(
+        tmp_path: Path, capsys, argv: list[str], words: list[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["sim", "--requests", "3", "--trace", str(trace)]) == 0
+    afile = tmp_path / "a-file"
+    afile.write_text("mine\n")
+    capsys.readouterr()
+    argv = [a.format(dir=tmp_path, trace=trace, file=afile) for a in argv]
+    started = time.perf_counter()
+    _refused(capsys, argv, *words)
+    # Not a timing claim: the fuzz row has a 30 s budget, and this says it
+    # was refused instead of spent (the old code ran it, then failed).
+    assert time.perf_counter() - started < 25
+    assert afile.read_text() == "mine\n"
+
+
+def test_a_reader_that_stops_reading_is_no_error(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["sim", "--requests", "20", "--trace", str(trace)]) == 0
+    reader = subprocess.Popen(["head", "-c", "10"], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL)
+    cut = subprocess.run([sys.executable, "-m", "sim.cli", "trace", "observed", str(trace)],
+                         stdout=reader.stdin, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert reader.stdin is not None
+    reader.stdin.close()
+    reader.wait()
+    assert cut.returncode == 141 and cut.stderr == "", cut.stderr
+
+
+# --- Options: what `sim` runs, `minimize` takes from its trace, and back.
+
+@pytest.mark.parametrize("name", sorted(OPTION_LIMITS))
+def test_sim_and_minimize_refuse_the_same_option_values(tmp_path: Path, name: str) -> None:
+    limit = OPTION_LIMITS[name]
+    beyond: float = limit * 2 if isinstance(getattr(SimOptions(), name), float) else int(limit) + 1
+    options = attrs.evolve(SimOptions(), **{name: beyond})
+    with pytest.raises(Exception, match=f"--{name.replace('_', '-')}={beyond}: expected"):
+        validate_options(options)
+    header = {"kvstate_trace": 1, "configs": [{"@": "ConnectorConfig"}],
+              "options": {name: beyond}}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(header) + "\n")
+    with pytest.raises(Exception, match=f"options.{name}"):
+        options_from_trace(path)
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["sim", "--block-size", "2000000"], ["--block-size=2000000", "[1, 4096]"]),
+    (["sim", "--world-size", "1100"], ["--world-size=1100", "[1, 64]"]),
+    (["sim", "--groups", "full,swa:100000000"], ["groups[1].sliding_window", "LIMITS"]),
+    (["sim", "--groups", ",".join(["full"] * 65)], ["65 groups", "at most 64"]),
+    (["sim", "--seed", str(1 << 64)], ["--seed="]),
+    (["sim", "--fast25-path", "x.jsonl"], ["--fast25-path x.jsonl", "--workload fast25"]),
+    (["minimize", "--world-size", "3", "--put-step", "2", "--max-runs", "2"],
+     ["--put-step=2", "divide"]),
+    (["minimize", "--num-blocks", str(10 ** 12), "--max-runs", "2"], ["--num-blocks="]),
+    (["campaign", "--seeds", "2", "--budget", "1"], ["--seeds 2 and --budget 1"]),
+])
+def test_options_out_of_range_or_ignored_are_refused(tmp_path: Path, capsys, argv: list[str],
+                                                      words: list[str]) -> None:
+    _refused(capsys, [*argv[:1], *argv[1:], *(
+        ["--out", str(tmp_path / "m.jsonl")] if argv[0] == "minimize" else [])], *words)
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_minimize_refuses_options_beside_a_trace(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["sim", "--protocol", "e2", "--requests", "3", "--trace", str(trace)]) in (0, 1)
+    _refused(capsys, ["minimize", str(trace), "--requests", "3", "--out",
+                      str(tmp_path / "m.jsonl")], "a trace brings its run's options", "--requests")
