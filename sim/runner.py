@@ -266,8 +266,8 @@ def parse_groups(specs: tuple[str, ...]) -> tuple[GroupSpec, ...]:
                 and len(window) < 10 and int(window) >= 1:
             out.append(GroupSpec(GroupKind.SLIDING_WINDOW, int(window)))
         else:
-            raise ValueError(f"group {spec!r}: expected 'full' or 'swa:W' (W: a window of at "
-                             "least 1 token)")
+            raise ValueError(f"group {spec!r}: expected 'full' or 'swa:W' (W: a window of 1 "
+                             "to 999,999,999 tokens)")
     if not out:
         raise ValueError("at least one group is needed")
     return tuple(out)

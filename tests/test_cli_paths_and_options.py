@@ -89,6 +89,7 @@ def test_a_full_disk_names_the_file(capsys) -> None:
 
 @pytest.mark.parametrize(("argv", "words"), [
     (["sim", "--trace", ""], ["--trace: an empty path"]),
+    (["sim", "--trace", "-"], ["--trace -: not standard output here"]),
     (["sim", "--trace", "{dir}"], ["--trace", "is a directory"]),
     (["sim", "--trace", "{dir}/missing/t.jsonl"], ["--trace", "no directory"]),
     (["trace", "observed", "{trace}", "-o", "{dir}"], ["-o", "is a directory"]),
@@ -158,6 +159,7 @@ def test_sim_and_minimize_refuse_the_same_option_values(tmp_path: Path, name: st
      ["--put-step=2", "divide"]),
     (["minimize", "--num-blocks", str(10 ** 12), "--max-runs", "2"], ["--num-blocks="]),
     (["campaign", "--seeds", "2", "--budget", "1"], ["--seeds 2 and --budget 1"]),
+    (["minimize", "--invariant", "NOPE", "--max-runs", "2"], ["--invariant NOPE: no such"]),
 ])
 def test_options_out_of_range_or_ignored_are_refused(tmp_path: Path, capsys, argv: list[str],
                                                       words: list[str]) -> None:
@@ -171,3 +173,10 @@ def test_minimize_refuses_options_beside_a_trace(tmp_path: Path, capsys) -> None
     assert main(["sim", "--protocol", "e2", "--requests", "3", "--trace", str(trace)]) in (0, 1)
     _refused(capsys, ["minimize", str(trace), "--requests", "3", "--out",
                       str(tmp_path / "m.jsonl")], "a trace brings its run's options", "--requests")
+
+
+def test_specs_write_refuses_before_writing_any_file(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "specs"
+    (root / "trace.md").mkdir(parents=True)
+    _refused(capsys, ["specs", "--write", "--root", str(root)], "trace.md is a directory")
+    assert [p.name for p in root.iterdir()] == ["trace.md"]  # it wrote the others first

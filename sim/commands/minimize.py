@@ -15,10 +15,14 @@ from sim.commands.paths import output_file, written_whole
 def run(args: argparse.Namespace) -> int:
     import attrs
 
+    from kvstate.invariants import INVARIANTS
     from sim.minimize import NothingToMinimize, minimize, options_from_trace
     from sim.runner import SimOptions, simulate
 
     output_file(args.out, "--out")
+    if args.invariant is not None and args.invariant not in INVARIANTS:
+        raise UsageError(f"--invariant {args.invariant}: no such invariant (known: "
+                         f"{', '.join(INVARIANTS)})")
     given = options_from(args)
     if args.from_trace:
         ignored = [f"--{f.name.replace('_', '-')}" for f in attrs.fields(SimOptions)

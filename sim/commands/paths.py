@@ -29,6 +29,9 @@ def output_file(path: str, option: str) -> Path:
     `UsageError` naming ``option`` and why not."""
     if not path:
         raise UsageError(f"{option}: an empty path")
+    if path == "-":
+        raise UsageError(f"{option} -: not standard output here (it carries the command's "
+                         "report); give a file")
     out = Path(path)
     if out.is_dir():
         raise UsageError(f"{option} {path}: is a directory")

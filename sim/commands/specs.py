@@ -8,6 +8,7 @@ from typing import Any
 
 from sim.commands.errors import UsageError
 from sim.commands.output import envelope
+from sim.commands.paths import output_dir
 
 
 def run(args: argparse.Namespace) -> int:
@@ -15,6 +16,11 @@ def run(args: argparse.Namespace) -> int:
 
     root = Path(args.root)
     if args.write:
+        for rel in rendered_specs():  # all writable, or none is written
+            target = root / rel
+            if target.is_dir():
+                raise UsageError(f"--root {root}: {target} is a directory")
+            output_dir(str(target.parent), "--root")
         written = write_specs(root)
         if not args.json:
             for path in written:
