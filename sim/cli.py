@@ -3,9 +3,10 @@
 Exit codes: 0 ok, 1 an invariant was violated, 2 a usage or input error, 130
 interrupted (Ctrl-C), 141 the reader of the output went away. Every command that
 reports a result takes ``--json`` and then prints exactly one JSON object with at
-least ``ok`` and ``violations`` (`trace observed` writes a trace instead). One module per command
-(`sim.commands`): each registers its own parser and runs it; this module builds
-the parser from them and maps every error to its exit code, once.
+least ``ok`` and ``violations`` (`trace observed` writes a trace instead). One
+module per command (`sim.commands`): each registers its own parser and runs it;
+this module builds the parser from them and maps every error to its exit code,
+once.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{', '.join(INVARIANTS)})")
     given = options_from(args)
     if args.from_trace:
+        default = SimOptions()
         ignored = [f"--{f.name.replace('_', '-')}" for f in attrs.fields(SimOptions)
-                   if getattr(given, f.name) != getattr(SimOptions(), f.name)]
+                   if getattr(given, f.name) != getattr(default, f.name)]
         if ignored:
             raise UsageError(f"{args.from_trace}: a trace brings its run's options; give a "
                              f"trace or options, not both ({', '.join(ignored)})")
