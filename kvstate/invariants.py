@@ -161,6 +161,10 @@ CATALOGUE: tuple[Invariant, ...] = (
     Invariant("K6", "A generation skipped for store pressure is retried once the backoff "
               "expired", "liveness", "JobFinished", "e2", "pressure-idle",
               "vLLM 0.33.0 pressure skip"),
+    Invariant("K7", "A rank reports as stored only chunks its job put with code 0 or found "
+              "present in the store", "safety", "JobFinished",
+              "fault: a verdict claiming a failed put", "synthetic",
+              "vLLM 0.33.0 send thread (a failed put is not saved)"),
 )
 
 INVARIANTS: dict[str, Invariant] = {inv.id: inv for inv in CATALOGUE}
@@ -225,8 +229,8 @@ class _Gen:
 
 
 class _Job:
-    __slots__ = ("gen", "step", "freed", "late_start", "token_len", "checked", "reports",
-                 "complete", "claimed")
+    __slots__ = ("gen", "step", "freed", "late_start", "token_len", "checked", "held",
+                 "reports", "complete", "claimed")
 
     def __init__(self, gen: GenKey, step: int) -> None:
         self.gen = gen
@@ -241,6 +245,10 @@ class _Job:
         # verdict's business, and a dict would keep it (insertion order), so
         # the model checker would count the two orders as two states.
         self.checked: set[tuple[int, str]] = set()
+        # (rank, key) the store holds by what the rank saw in this job: a put
+        # answered 0 or an existence check answered present (K7), until the
+        # rank's verdict; a set of facts for the same reason as ``checked``.
+        self.held: set[tuple[int, str]] = set()
         self.reports: set[int] = set()
         self.complete = False  # every rank reported it (derived, never taken from a recorder)
         self.claimed = False  # a settlement listed it as released before it was complete
@@ -724,6 +732,7 @@ class Monitor:
         if job is not None:
             rank = obs.rank
             job.checked.update((rank, key) for key in obs.keys)
+            job.held.update((rank, key) for key, there in zip(obs.keys, obs.present) if there)
 
     def _on_PutDone(self, obs: PutDone) -> None:
         config = self.config
@@ -744,6 +753,8 @@ class Monitor:
             if (obs.chunk_id + 1) * config.block_size > max(job.token_len, 0):
                 self.fail("S7", f"rank {obs.rank} job {obs.job_id} put chunk {obs.chunk_id} "
                           f"beyond its aligned length {job.token_len}")
+            if obs.code == 0:
+                job.held.add((obs.rank, obs.key))
         if self.pinned.get(obs.block_id, 0) <= 0:
             self.fail("S2", f"rank {obs.rank} job {obs.job_id} read block {obs.block_id}, "
                       "which no pin holds")
@@ -798,6 +809,9 @@ class Monitor:
             self.fail("K6", f"rank {obs.rank} skipped job {obs.job_id} of {gen_key}: skipped "
                       f"since {obs.skipped_since}, now {obs.now}, backoff "
                       f"{config.pressure_backoff}")
+        job = self.jobs.get(obs.job_id)
+        if job is not None:
+            self._check_claims(obs, gen, job)
         if gen is None:
             return
         ns = obs.rank // step
@@ -811,6 +825,29 @@ class Monitor:
             namespaces.add(ns)
         for event in obs.events:
             self._check_event(obs, gen, event)
+
+    def _check_claims(self, obs: JobFinished, gen: _Gen | None, job: _Job) -> None:
+        """K7: every chunk the verdict holds as stored is one the rank saw
+        the store take (a put answered 0) or hold (an existence check): the
+        announcements S16 counts and the offsets S10 follows rest on these
+        claims, so a rank that counts a failed put as stored would otherwise
+        have events published for chunks the store does not have."""
+        rank = obs.rank
+        held = job.held
+        if obs.stored:
+            hpb = self._hashes_per_block
+            hashes = gen.hashes if gen is not None else ()
+            for group, cid in obs.stored:
+                if (cid + 1) * hpb > len(hashes) or (rank, group) not in self._prefixes:
+                    self.skip("K7", "a stored chunk beyond the hash chain the plans gave")
+                    continue
+                key = key_for(self._prefixes[rank, group], chunk_hash(hashes, cid, hpb).hex())
+                if (rank, key) not in held:
+                    self.fail("K7", f"rank {rank} job {obs.job_id} reports chunk {cid} of group "
+                              f"{group} stored, but no put of {key!r} succeeded and no "
+                              "existence check found it")
+        if held:
+            job.held = {fact for fact in held if fact[0] != rank}
 
     def _check_event(self, obs: JobFinished, gen: _Gen, event: BlockStored) -> None:
         config = self.config

@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 
 from kvstate.config import ConnectorConfig, GroupKind, GroupSpec
+from kvstate.executor import Executor
+from kvstate.harness import Harness
 from kvstate.invariants import CATALOGUE, INVARIANTS, Monitor
 from kvstate.keys import key_prefix
+from kvstate.memory_store import MemoryStore
 from kvstate.observations import JobStarted, LookupDone, Planned, StepScheduled
 from kvstate.planner import Planner
 from kvstate.records import (
@@ -23,6 +26,7 @@ from kvstate.records import (
 )
 from kvstate.scenarios import SCENARIOS, run
 from kvstate.specs import render_invariants
+from kvstate.store_codes import StoreCode
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 SCENARIO_BROKEN = [inv for inv in CATALOGUE if inv.scenario in SCENARIOS]
@@ -141,6 +145,42 @@ def test_s20_a_hybrid_lookup_claiming_a_hit_past_its_hash_chain_is_one_finding()
     assert [f.invariant for f in monitor.findings] == ["S20"] * 3, monitor.findings[:4]
     assert "counted 1000000 chunks as a hit but its hash chain of 2 hashes covers 2" in (
         monitor.findings[0].message)
+
+
+class _CountsFailedPutsAsStored(Executor):
+    """A send thread that ignores batch_put's return codes (a connector bug
+    an outside reviewer wrote: its KV events announce chunks the store never
+    took, and nothing else in the catalogue saw it)."""
+
+    def put_answered(self, job, codes):
+        return super().put_answered(job, [StoreCode.OK] * len(codes))
+
+
+def _second_put_of_rank_1_refused() -> MemoryStore:
+    puts = {"rank 1": 0}
+
+    def answer(op: str, rank: int, key: str) -> int:
+        if op == "put" and rank == 1:
+            puts["rank 1"] += 1
+            if puts["rank 1"] == 2:
+                return StoreCode.NO_AVAILABLE_HANDLE
+        return 0
+    return MemoryStore(answer)
+
+
+@pytest.mark.parametrize("executor", [Executor, _CountsFailedPutsAsStored])
+def test_k7_a_rank_reporting_a_refused_put_as_stored_fires(executor) -> None:
+    harness = Harness(ConnectorConfig(block_size=4, world_size=2, enable_kv_events=True),
+                      "kvstate", store=_second_put_of_rank_1_refused(),
+                      executor_factory=executor)
+    harness.add("a", list(range(12)), max_new_tokens=0)
+    harness.settle()
+    k7 = [f.message for f in harness.monitor.findings if f.invariant == "K7"]
+    if executor is Executor:
+        assert k7 == []  # the -200 is reported as failed, and retried
+    else:
+        assert len(k7) == 1 and k7[0].startswith(
+            "rank 1 job 1 reports chunk 1 of group 0 stored, but no put of"), k7
 
 
 def test_findings_name_invariant_event_and_message() -> None:
