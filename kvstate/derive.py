@@ -59,16 +59,26 @@ def _with(record: Any, **changes: Any) -> Any:
     return record
 
 
+# Jobs every rank has reported whose generation is still remembered, newest
+# last: a record of one of them after its last report (a rank reporting twice,
+# a late put) is a connector's bug for the monitor to judge (S4, S21), not a
+# trace whose generations cannot be derived. Job ids only grow (S22), so the
+# newest few thousand are the ones a late record can name: a busy engine
+# finishes a few hundred jobs a step.
+DONE_REMEMBERED = 4096
+
+
 class _Lifetimes:
     """One engine's request-id lifetimes, numbered as its planner would."""
 
-    __slots__ = ("next_generation", "open", "jobs", "reported", "loads", "ended", "world_size",
-                 "written")
+    __slots__ = ("next_generation", "open", "jobs", "done", "reported", "loads", "ended",
+                 "world_size", "written")
 
     def __init__(self, world_size: int) -> None:
         self.next_generation = 1
         self.open: dict[str, list[Any]] = {}  # req_id -> [generation, phase]
         self.jobs: dict[int, int] = {}  # job id -> generation
+        self.done: dict[int, int] = {}  # the same, once every rank reported (DONE_REMEMBERED)
         self.reported: dict[int, set[int]] = {}  # job id -> ranks that reported it
         self.loads: dict[str, int] = {}  # req_id -> generation of its latest load
         # The generation keys the latest step ended, for the plan that follows.
@@ -126,17 +136,24 @@ class _Lifetimes:
     def of_job(self, job_id: int, where: str, field: str) -> int:
         generation = self.jobs.get(job_id)
         if generation is None:
+            generation = self.done.get(job_id)
+        if generation is None:
             raise TraceError(where, field, f"job {job_id} is not in any earlier plan of this "
-                             "engine (or every rank reported it already): its generation "
-                             "cannot be derived")
+                             f"engine (or every rank reported it, more than {DONE_REMEMBERED} "
+                             "jobs ago): its generation cannot be derived")
         return generation
 
     def report(self, job_id: int, rank: int) -> None:
         ranks = self.reported.setdefault(job_id, set())
         ranks.add(rank)
-        if len(ranks) >= self.world_size:  # nothing of the job can follow its last report
+        if len(ranks) >= self.world_size:  # only a connector's bug can follow its last report
             del self.reported[job_id]
-            self.jobs.pop(job_id, None)
+            generation = self.jobs.pop(job_id, None)
+            if generation is not None:
+                done = self.done
+                done[job_id] = generation
+                if len(done) > DONE_REMEMBERED:
+                    del done[next(iter(done))]
 
 
 class Derivation:

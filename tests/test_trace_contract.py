@@ -1046,3 +1046,45 @@ def test_the_fixture_replays_identically_with_its_annotations_left_out(
     code, out, err = run(capsys, "replay", str(write(tmp_path / "t.jsonl", lines)))
     assert code == 0 and out["ok"], (out, err)
     assert run(capsys, "check", str(tmp_path / "t.jsonl"))[0] == 0
+
+
+# --------------------------------------------------------------------------
+# A connector's bookkeeping bugs, as an outside reviewer wrote them by hand.
+
+
+def _renumbered(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for i, line in enumerate(lines[1:]):
+        line["i"] = i
+    return lines
+
+
+@pytest.mark.parametrize("layer", ["annotated", "observed"])
+def test_a_rank_reporting_twice_is_s4_whether_or_not_generations_are_written(
+        tmp_path: Path, capsys, layer: str) -> None:
+    # The observed layer used to refuse the trace (exit 2: the job's
+    # generation "cannot be derived", since every rank had reported it)
+    # where the annotated one found the bug.
+    lines = fixture()
+    n = line_of(lines, "ReportDelivered", 1)
+    lines.insert(line_of(lines, "Settled") + 1, copy.deepcopy(lines[n]))
+    path = write(tmp_path / "t.jsonl", _renumbered(lines))
+    if layer == "observed":
+        assert main(["trace", "observed", str(path), "-o", str(tmp_path / "o.jsonl")]) == 0
+        capsys.readouterr()
+        path = tmp_path / "o.jsonl"
+    code, out, err = run(capsys, "check", str(path))
+    assert code == 1, (out, err)
+    assert [v["invariant"] for v in out["violations"]] == ["S4"], out["violations"]
+    assert "reported job 1, which is not outstanding" in out["violations"][0]["message"]
+
+
+def test_a_refused_put_the_rank_reports_as_stored_is_k7(tmp_path: Path, capsys) -> None:
+    lines = fixture()
+    put = line_of(lines, "PutDone", 1, rank=1)
+    lines[put].update(code=-200, accepted=False)
+    code, out, _ = run(capsys, "check", str(write(tmp_path / "t.jsonl", lines)))
+    assert code == 1
+    k7 = [v for v in out["violations"] if v["invariant"] == "K7"]
+    assert len(k7) == 1 and k7[0]["message"].startswith(
+        "rank 1 job 1 reports chunk 1 of group 0 stored, but no put of"), k7
+    assert k7[0]["event_index"] == line_of(lines, "JobFinished", rank=1) - 1
