@@ -473,11 +473,79 @@ MUTANTS: tuple[Variant, ...] = (
 )
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (KVSTATE, E2, E1, E0, *MUTANTS)}
+BUILTIN: frozenset[str] = frozenset(VARIANTS)
+
+# --------------------------------------------------------------------------
+# Variants defined outside the package.
+#
+# A user's variant lives in their own module, which calls `register`; the
+# environment variable names the modules (comma-separated), imported the first
+# time a name is not found. An environment variable rather than a flag so that
+# every process that looks a variant up by name finds it the same way: a
+# campaign's or a model check's worker processes, a replay of the trace a run
+# wrote, the command a failure prints to reproduce it (`with_plugins`).
+PLUGINS_ENV = "KVSTATE_VARIANTS"
+_imported: set[str] = set()
+
+
+def register(variant: Variant) -> Variant:
+    """Make ``variant`` known by its name (from a module `PLUGINS_ENV`
+    names); returns it. A name taken by another variant is refused."""
+    if not isinstance(variant, Variant):
+        raise TypeError(f"register() takes a Variant, not {type(variant).__name__}")
+    known = VARIANTS.get(variant.name)
+    if known is not None and known is not variant:
+        raise ValueError(f"a protocol variant named {variant.name!r} exists already")
+    VARIANTS[variant.name] = variant
+    return variant
+
+
+def import_plugins() -> None:
+    """Import the modules `PLUGINS_ENV` names (each once); a ValueError
+    naming the module when one cannot be imported."""
+    import importlib
+    import os
+
+    for module in os.environ.get(PLUGINS_ENV, "").split(","):
+        module = module.strip()
+        if not module or module in _imported:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise ValueError(f"{PLUGINS_ENV}: cannot import {module!r} "
+                             f"({type(exc).__name__}: {exc})") from exc
+        _imported.add(module)
 
 
 def get_variant(name: str) -> Variant:
-    try:
-        return VARIANTS[name]
-    except KeyError:
+    variant = VARIANTS.get(name)
+    if variant is None:
+        import_plugins()
+        variant = VARIANTS.get(name)
+    if variant is None:
         known = ", ".join(VARIANTS)
-        raise ValueError(f"unknown protocol variant {name!r} (known: {known})") from None
+        raise ValueError(f"unknown protocol variant {name!r} (known: {known}; variants of "
+                         f"your own: {PLUGINS_ENV}=your.module, which calls "
+                         "kvstate.variants.register)") from None
+    return variant
+
+
+def is_variant(name: str) -> bool:
+    """Whether ``name`` names a variant (built in or registered); a module
+    `PLUGINS_ENV` names that cannot be imported is a ValueError."""
+    if name not in VARIANTS:
+        import_plugins()
+    return name in VARIANTS
+
+
+def with_plugins(command: str, name: str) -> str:
+    """``command`` as a shell line that finds variant ``name``: prefixed by
+    the `PLUGINS_ENV` setting when ``name`` is not built in."""
+    import os
+    import shlex
+
+    modules = os.environ.get(PLUGINS_ENV)
+    if name in BUILTIN or not modules:
+        return command
+    return f"{PLUGINS_ENV}={shlex.quote(modules)} {command}"

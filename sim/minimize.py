@@ -24,13 +24,20 @@ from typing import Any
 import attrs
 
 from kvstate.trace import TraceError, TraceReader
-from kvstate.variants import VARIANTS
+from kvstate.variants import VARIANTS, is_variant
 from sim.faults import SITES
 from sim.runner import SimOptions, SimResult, build_configs, out_of_range, parse_groups, simulate
 
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
-    "protocol": tuple(VARIANTS), "setup": ("both", "pd"), "workload": ("synthetic", "fast25"),
+    "setup": ("both", "pd"), "workload": ("synthetic", "fast25"),
 }
+
+
+def _known_protocol(name: str, where: str, field: str) -> bool:
+    try:
+        return is_variant(name)
+    except ValueError as exc:  # a module KVSTATE_VARIANTS names does not import
+        raise TraceError(where, field, str(exc)) from None
 
 
 def options_from_trace(path: str | Path) -> SimOptions:
@@ -81,6 +88,8 @@ def options_from_trace(path: str | Path) -> SimOptions:
             value = tuple(value)
         elif type(value) is not str:
             raise TraceError(where, field, f"expected a string, got {value!r}")
+        elif name == "protocol" and not _known_protocol(value, where, field):
+            raise TraceError(where, field, f"{value!r} is not one of {', '.join(VARIANTS)}")
         elif name in OPTION_CHOICES and value not in OPTION_CHOICES[name]:
             raise TraceError(where, field, f"{value!r} is not one of "
                              f"{', '.join(OPTION_CHOICES[name])}")

@@ -40,7 +40,7 @@ from kvstate.planner import Planner
 from kvstate.records import ExistsCall, GetCall, LoadReport, PutCall, Report, SchedulerStep
 from kvstate.tables import IllegalTransition
 from kvstate.trace import TraceError, TraceReader
-from kvstate.variants import VARIANTS, get_variant
+from kvstate.variants import VARIANTS, get_variant, is_variant
 
 _PRODUCED = (JobStarted, StateWritten, JobFinished)
 
@@ -156,7 +156,11 @@ def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
     with TraceReader(path) as reader:
         name = reader.name
         chosen = protocol or reader.header.get("protocol") or "kvstate"
-        if chosen not in VARIANTS:
+        try:
+            known = is_variant(chosen)
+        except ValueError as exc:  # a module KVSTATE_VARIANTS names does not import
+            raise TraceError(f"{name}:1", "protocol", str(exc)) from None
+        if not known:
             raise TraceError(f"{name}:1", "protocol", f"{chosen!r} is not a kvstate protocol "
                              f"variant (known: {', '.join(VARIANTS)}); replay needs one: "
                              "pass --protocol")

@@ -49,7 +49,7 @@ from kvstate.keys import HashChain, chunk_hash, key_digest, parse_key
 from kvstate.observations import KeyEvicted, Observation, Planned, PutDone, Settled
 from kvstate.records import NULL_BLOCK_ID
 from kvstate.trace import encode_header, encode_observation
-from kvstate.variants import get_variant
+from kvstate.variants import get_variant, with_plugins
 from sim.consumer import RadixConsumer
 from sim.engine import SimEngine
 from sim.faults import SITES, Faults
@@ -119,7 +119,7 @@ class SimOptions:
                 parts.append(f"{flag}={','.join(value) or 'none'}")
             else:
                 parts.append(f"{flag}={value}")
-        return " ".join(shlex.quote(p) for p in parts)
+        return with_plugins(" ".join(shlex.quote(p) for p in parts), self.protocol)
 
 
 _DEFAULTS = SimOptions()

@@ -11,14 +11,19 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from kvstate.variants import VARIANTS
+from kvstate.variants import PLUGINS_ENV, VARIANTS, is_variant
 from sim.commands.errors import UsageError
 
 
 def protocol_name(name: str) -> str:
-    if name not in VARIANTS:
+    try:
+        known = is_variant(name)
+    except ValueError as exc:  # a module KVSTATE_VARIANTS names does not import
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not known:
         raise argparse.ArgumentTypeError(
-            f"unknown protocol {name!r}; known: {', '.join(VARIANTS)}")
+            f"unknown protocol {name!r}; known: {', '.join(VARIANTS)} (your own: "
+            f"{PLUGINS_ENV}=your.module, see docs/testing-your-connector.md)")
     return name
 
 
