@@ -298,6 +298,37 @@ def test_a_put_that_raises_is_reported_and_retried(engines) -> None:
     e.close()
 
 
+def test_a_store_answer_short_of_its_keys_fails_the_job_not_the_send_thread(engines,
+                                                                             caplog) -> None:
+    # One existence answer too few (a store or binding bug). The send thread
+    # used to die on it (the executor refuses it outside the thread's try),
+    # leaving the job's blocks pinned and the engine unable to drain, without
+    # a word; now the call counts as failed, is logged, and the job reports.
+    e = engines(save_decode_cache=True)
+    rig = e.engine()
+    worker = rig.workers[0].worker
+    real_exists = worker.store.exists
+    calls = {"n": 0}
+
+    def short_exists(keys):
+        calls["n"] += 1
+        answers = list(real_exists(keys))
+        return answers[:-1] if calls["n"] == 1 else answers
+
+    worker.store.exists = short_exists
+    with caplog.at_level("WARNING", logger="kvstate.vllm"):
+        rig.add("a", prompt(40, salt=80), max_tokens=30)
+        rig.run()
+        rig.drain()
+        rig.run()
+    assert worker._thread.is_alive()
+    assert rig.totals()["store_errors"] == 1
+    assert "a store call of job 1 failed: RuntimeError: the store gave 1 answers for 2 keys" \
+        in caplog.text, caplog.text
+    settled(rig)
+    e.close()
+
+
 def test_a_killed_master_costs_hits_not_correctness(model_dir, tmp_path, monkeypatch) -> None:
     master = Master()
     _store_config(master.address, tmp_path, monkeypatch)

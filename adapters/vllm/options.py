@@ -18,17 +18,23 @@ fields, all prefixed ``kvstate_``:
 - ``kvstate_put_step``: override the derived replication factor.
 
 Unknown ``kvstate_*`` fields are refused (a typo must not silently turn a
-monitor off); other unknown fields are left to whoever else reads the dict.
-A bad value raises ``ValueError`` naming the field and the value.
+monitor off), and so is any field that reads as one of the connector's own
+names misspelt (other case, ``-`` for ``_``, a letter or two off:
+``KVSTATE_MONITOR``, ``save_decode_cahce``); other unknown fields are left to
+whoever else reads the dict. A bad value raises ``ValueError`` naming the
+field and the value, and a ``kvstate_trace`` that cannot be written is
+refused when the connector is built, not at the first step that writes it.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
 from typing import Any
 
 import attrs
 
-from kvstate.variants import VARIANTS
+from kvstate.variants import VARIANTS, is_variant
 
 MONITOR_MODES = ("off", "log", "raise")
 
@@ -37,6 +43,37 @@ KNOWN_KVSTATE_FIELDS = (
     "kvstate_store_timeout", "kvstate_put_step",
 )
 TRACE_LAYERS = ("annotated", "observed")
+# Upstream MooncakeStoreConnector's names this connector reads too.
+SHARED_FIELDS = ("save_decode_cache", "enable_lookup", "cache_prefix")
+# How close a field must be to one of ours to be taken for its misspelling
+# (difflib's ratio: "save_decode_cahce" is 0.94 from "save_decode_cache",
+# unrelated names like "mooncake_protocol" stay below 0.6).
+MISSPELT = 0.85
+
+
+def _misspelling(field: str) -> str | None:
+    """The connector's own field ``field`` looks like a misspelling of."""
+    ours = (*KNOWN_KVSTATE_FIELDS, *SHARED_FIELDS)
+    if field in ours:
+        return None
+    folded = field.lower().replace("-", "_")
+    for name in ours:
+        if folded == name or folded.replace("_", "") == name.replace("_", ""):
+            return name
+    close = difflib.get_close_matches(folded, ours, n=1, cutoff=MISSPELT)
+    return close[0] if close else None
+
+
+def _writable_trace(path: str) -> str | None:
+    """Why the trace file ``path`` cannot be written (None if it can)."""
+    if os.path.isdir(path):
+        return "a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"no directory {parent!r}"
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        return "not writable"
+    return None
 
 
 def _bad(field: str, value: Any, why: str) -> ValueError:
@@ -72,13 +109,25 @@ class ConnectorOptions:
             if field.startswith("kvstate_") and field not in KNOWN_KVSTATE_FIELDS:
                 known = ", ".join(KNOWN_KVSTATE_FIELDS)
                 raise _bad(field, extra[field], f"unknown kvstate field (known: {known})")
+            meant = _misspelling(field)
+            if meant is not None:
+                raise _bad(field, extra[field], f"not a field; did you mean {meant!r}?")
         protocol = extra.get("kvstate_protocol", "kvstate")
-        if not isinstance(protocol, str) or protocol not in VARIANTS:
+        try:
+            known_protocol = isinstance(protocol, str) and is_variant(protocol)
+        except ValueError as exc:  # a module KVSTATE_VARIANTS names does not import
+            raise _bad("kvstate_protocol", protocol, str(exc)) from None
+        if not known_protocol:
             raise _bad("kvstate_protocol", protocol,
                        f"unknown protocol (one of: {', '.join(sorted(VARIANTS))})")
         trace = extra.get("kvstate_trace")
         if trace is not None and (not isinstance(trace, str) or not trace):
             raise _bad("kvstate_trace", trace, "expected a file path")
+        if trace is not None:
+            trace = os.path.expanduser(trace)
+            why = _writable_trace(trace)
+            if why is not None:
+                raise _bad("kvstate_trace", trace, f"cannot be written: {why}")
         layer = extra.get("kvstate_trace_layer", "annotated")
         if layer not in TRACE_LAYERS:
             raise _bad("kvstate_trace_layer", layer, f"expected one of {', '.join(TRACE_LAYERS)}")

@@ -134,6 +134,7 @@ class WorkerSide:
         self.plan_step = 0  # the last plan this rank took (its clock)
         self.shipped = 0  # worker metadata built so far
         self._seq = 0
+        self._said: set[tuple[str, ...]] = set()  # kinds of store failure logged (`_say`)
         self.record = record
         self.executor = Executor(config, rank, variant, clock=self._clock,
                                  observer=self._observe if record else None)
@@ -263,24 +264,43 @@ class WorkerSide:
                     self._work.clear()
                     continue
                 self.in_flight = job
-                out = self.executor.start(job)
-            self._run_job(job, out)
+                try:
+                    out = self.executor.start(job)
+                except Exception:  # noqa: BLE001 - see below
+                    self._lost(job)
+                    continue
+            try:
+                self._run_job(job, out)
+            except Exception:  # noqa: BLE001 - the thread outlives one job's failure
+                with self.lock:
+                    self._lost(job)
+
+    def _lost(self, job: RankJob) -> None:
+        """A job the executor itself failed on (a bug, not a store error): said,
+        and the thread goes on with the next one. Called holding the lock."""
+        logger.exception("kvstate rank %d: job %d could not finish; its blocks stay pinned "
+                         "until the engine restarts", self.rank, job.meta.job_id)
+        self.in_flight = None
 
     def _run_job(self, job: RankJob, out: ExistsCall | PutCall | Report | None) -> None:
         while out is not None and not isinstance(out, Report):
             call = out
             try:
                 answer = self._perform(call)
+                with self.lock:
+                    out = self._answered(job, call, answer)
             except Exception as exc:  # noqa: BLE001 - every failure must still report
+                # A store call that raised or timed out, or an answer the
+                # executor refused (one answer too few): the job reports as
+                # failed either way, so its pins are released; a send thread
+                # that died here left them pinned for good, without a word.
+                error = f"{type(exc).__name__}: {exc}"
+                self._say(job, error)
                 with self.lock:
                     self.counters.store_errors += 1
                     if self.record:
-                        self._observe(StoreCallRaised(self.rank, job.meta.job_id,
-                                                      f"{type(exc).__name__}: {exc}"))
-                    out = self.executor.raised(job, f"{type(exc).__name__}: {exc}")
-                continue
-            with self.lock:
-                out = self._answered(job, call, answer)
+                        self._observe(StoreCallRaised(self.rank, job.meta.job_id, error))
+                    out = self.executor.raised(job, error)
         with self.lock:
             self.in_flight = None
             if out is not None:
@@ -288,18 +308,36 @@ class WorkerSide:
                 self.reports.append(((self.plan_step, self.rank, self._seq), out))
                 self.counters.jobs_reported += 1
 
+    def _say(self, job: RankJob, error: str) -> None:
+        """Log a store failure, once per kind of error (the first words), so a
+        store that is down is said once a rank, not once a call."""
+        kind = error.split(":", 2)[:2]
+        said = self._said
+        if tuple(kind) in said or len(said) >= 64:
+            return
+        said.add(tuple(kind))
+        logger.warning("kvstate rank %d: a store call of job %d failed: %s (the job reports "
+                       "it as failed; the same kind of failure is not logged again)",
+                       self.rank, job.meta.job_id, error)
+
     def _perform(self, call: ExistsCall | PutCall) -> list[Any]:
+        """The store's answers, one per key: a call answered otherwise failed
+        (recorded as raised, so the trace holds no answer that cannot be)."""
         if isinstance(call, ExistsCall):
-            return list(self.store.exists(call.keys))
-        layout = self.layout
-        if layout is None:
-            raise RuntimeError("put before register_kv_caches")
-        ptrs, sizes = [], []
-        for block in call.block_ids:
-            p, s = layout.buffers(block)
-            ptrs.append(p)
-            sizes.append(s)
-        return list(self.store.put(list(call.keys), ptrs, sizes))
+            answers = list(self.store.exists(call.keys))
+        else:
+            layout = self.layout
+            if layout is None:
+                raise RuntimeError("put before register_kv_caches")
+            ptrs, sizes = [], []
+            for block in call.block_ids:
+                p, s = layout.buffers(block)
+                ptrs.append(p)
+                sizes.append(s)
+            answers = list(self.store.put(list(call.keys), ptrs, sizes))
+        if len(answers) != len(call.keys):
+            raise RuntimeError(f"the store gave {len(answers)} answers for {len(call.keys)} keys")
+        return answers
 
     def _answered(self, job: RankJob, call: ExistsCall | PutCall, answer: list[Any]
                   ) -> ExistsCall | PutCall | Report | None:
