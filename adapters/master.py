@@ -6,7 +6,13 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import time
+
+# Fresh ports are picked and then bound by the master, so another process can
+# take one in between; a few tries make that race harmless.
+START_TRIES = 3
 
 
 def free_port() -> int:
@@ -15,29 +21,59 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class MasterError(RuntimeError):
+    """No master could be started here: the binary missing, or it exited
+    (its own last words in the message)."""
+
+
+def master_binary() -> str:
+    """``mooncake_master`` on PATH, else beside this Python (a virtualenv's
+    ``bin/``, where the wheel installs it, need not be on PATH)."""
+    found = shutil.which("mooncake_master")
+    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    if found is None and os.access(beside, os.X_OK):
+        found = beside
+    if found is None:
+        raise MasterError(f"mooncake_master not found on PATH or beside {sys.executable}: "
+                          "pip install 'kvstate[mooncake]' installs it")
+    return found
+
+
 class Master:
     def __init__(self) -> None:
-        binary = shutil.which("mooncake_master")
-        if binary is None:
-            raise RuntimeError("mooncake_master not found: pip install 'kvstate[mooncake]'")
+        binary = master_binary()
+        for attempt in range(START_TRIES):
+            try:
+                self._start(binary)
+                return
+            except MasterError:
+                if attempt == START_TRIES - 1:
+                    raise
+
+    def _start(self, binary: str) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         env = dict(os.environ, MC_LOG_LEVEL="ERROR")
-        self.process = subprocess.Popen(
-            [binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.process.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
+        with tempfile.TemporaryFile() as stderr:
+            self.process = subprocess.Popen(
+                [binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+                 "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"],
+                stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    stderr.seek(0)
+                    said = stderr.read().decode(errors="replace").strip().splitlines()[-3:]
+                    raise MasterError(f"mooncake_master (ports {self.port}, "
+                                      f"{self.metrics_port}) exited with "
+                                      f"{self.process.returncode}: {' | '.join(said) or '-'}")
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                    return
+                except OSError:
+                    time.sleep(0.05)
         self.stop()
-        raise RuntimeError("mooncake_master did not open its port within 20 s")
+        raise MasterError("mooncake_master did not open its port within 20 s")
 
     @property
     def address(self) -> str:

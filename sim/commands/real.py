@@ -18,6 +18,13 @@ REAL_KV_BYTES = 1 << 30
 REAL_BLOCK_BYTES_PER_TOKEN = 2 * 16 * 2  # heads x head_dim x float16
 REAL_LAYERS, REAL_BLOCKS = 2, 128 + 1
 REAL_MAX_SEGMENT_MIB = 1 << 16
+REAL_MAX_REQUESTS = 100_000  # the simulator's bound (sim.runner.OPTION_LIMITS)
+REAL_MAX_TIMEOUT = 3600.0  # seconds; beyond it a socket timeout overflows
+
+
+class StoreFailed(UsageError):
+    """The store stopped answering mid-run; a call of it is still stuck in
+    the Mooncake client's own thread."""
 
 
 def _check_real_bounds(args: argparse.Namespace) -> None:
@@ -29,6 +36,10 @@ def _check_real_bounds(args: argparse.Namespace) -> None:
         raise UsageError(f"--block-size={args.block_size}: the KV caches would need "
                          f"{kv_bytes / (1 << 30):.1f} GiB; at most {REAL_KV_BYTES >> 30} GiB "
                          f"(--block-size <= {most} with --world-size {args.world_size})")
+    if args.requests > REAL_MAX_REQUESTS:
+        raise UsageError(f"--requests={args.requests}: at most {REAL_MAX_REQUESTS:,}")
+    if args.timeout > REAL_MAX_TIMEOUT:
+        raise UsageError(f"--timeout={args.timeout:g}: at most {REAL_MAX_TIMEOUT:g} seconds")
     if not 16 <= args.segment_mib <= REAL_MAX_SEGMENT_MIB:
         raise UsageError(f"--segment-mib={args.segment_mib}: Mooncake needs 16 MiB to "
                          f"{REAL_MAX_SEGMENT_MIB} MiB per client segment here")
@@ -46,9 +57,29 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--block-hash={args.block_hash}: {exc}") from None
     _check_real_bounds(args)
     # A spinner with the phase under way: adapters.runner has no per-request
-    # hook, so there is no count to show.
-    with progress_for(args, label="real") as bar:
-        address, outcome = _measure(args, bar)
+    # hook, so there is no count to show. SIGTERM unwinds like Ctrl-C, so the
+    # master this command started is stopped too (143: 128 + SIGTERM).
+    import signal
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        with progress_for(args, label="real") as bar:
+            address, outcome = _measure(args, bar)
+    except StoreFailed as exc:
+        # Said, then no interpreter shutdown: the client's thread still blocked
+        # on the dead master crashes the process while Python tears down
+        # (SIGSEGV or abort, measured), which would turn exit 2 into 139.
+        import sys
+
+        print(f"kvstate real: error: {exc}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.bench:
         figures = outcome
         if args.json:
@@ -79,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
 def _measure(args: argparse.Namespace, bar: Bar) -> tuple[str, Any]:
     """Start (or reach) the master, connect, then either the adapter bench (its
     figures) or the workload run (the arrivals and the run's result)."""
+    from adapters.master import MasterError
     from adapters.mooncake import MooncakeConfig, MooncakeStore, MooncakeUnavailable
     from adapters.runner import bench_adapter, run_real, workload_arrivals
     from kvstate.config import ConnectorConfig
+    from kvstate.memory_store import StoreRaised
 
     master = None
     try:
@@ -91,7 +124,10 @@ def _measure(args: argparse.Namespace, bar: Bar) -> tuple[str, Any]:
             from adapters.master import Master
 
             bar.update(phase="starting mooncake_master")
-            master = Master()
+            try:
+                master = Master()
+            except MasterError as exc:
+                raise UsageError(str(exc)) from None
             address = master.address
         bar.update(phase=f"connecting to {address}")
         try:
@@ -124,8 +160,12 @@ def _measure(args: argparse.Namespace, bar: Bar) -> tuple[str, Any]:
                 except RankProcessError as exc:
                     raise UsageError(str(exc)) from None
             else:
-                result = run_real(store, arrivals, config, variant=args.protocol,
-                                  block_hash=args.block_hash)
+                try:
+                    result = run_real(store, arrivals, config, variant=args.protocol,
+                                      block_hash=args.block_hash)
+                except StoreRaised as exc:  # the master died or stalled mid-run
+                    raise StoreFailed(f"the store at {address} failed during the run: "
+                                      f"{exc}") from None
         finally:
             store.close()
     finally:
