@@ -25,7 +25,11 @@ it) and, across ranks and the scheduler, an order consistent with causality:
 a rank acts on plan k only after Planned k, and a report is delivered only
 after the rank produced it. When step k's settlement arrives (at
 ``update_connector_output`` of step k) everything up to it is known, so lines
-are written with a lag of at most one step.
+are written then, through step k. A step whose ranks ship no worker metadata
+(nothing saved, loaded or reported) settles nothing and writes nothing: its
+lines wait for the next step that does, or for ``close``. A process killed
+meanwhile loses them; what was written is a whole trace of the steps before
+(check it with ``--at-end open``).
 
 The trace's time is the step number (the executors' clock in the connector);
 line indexes are assigned as lines are written, so both only go forward.

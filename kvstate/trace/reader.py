@@ -38,7 +38,10 @@ def iter_raw_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, bytes]]:
         if len(raw) > MAX_LINE_BYTES:
             raise TraceError(f"{name}:{number}", "", f"line longer than {MAX_LINE_BYTES} bytes")
         if raw[-1:] != b"\n":
-            raise TraceError(f"{name}:{number}", "", "truncated last line (no newline)")
+            raise TraceError(f"{name}:{number}", "", "truncated last line (no newline): the "
+                             "writer stopped mid-line; the lines before it are whole, so "
+                             f"`head -n {number - 1}` of the file gives a trace to check "
+                             "(with --at-end open, as it ends mid-run)")
         yield number, raw
 
 
