@@ -61,7 +61,8 @@ class MooncakeConfig:
     def __attrs_post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"MooncakeConfig.protocol={self.protocol!r}: expected tcp or rdma")
-        if not re.fullmatch(r"[^:\s]+:\d+", self.master_server_address):
+        if not isinstance(self.master_server_address, str) or not re.fullmatch(
+                r"[^:\s]+:\d+", self.master_server_address):
             raise ValueError(f"MooncakeConfig.master_server_address="
                              f"{self.master_server_address!r}: expected host:port")
 
