@@ -144,6 +144,8 @@ class _Lifetimes:
         return generation
 
     def report(self, job_id: int, rank: int) -> None:
+        if job_id not in self.jobs:
+            return  # a report of a job already done: the monitor's to judge (S4)
         ranks = self.reported.setdefault(job_id, set())
         ranks.add(rank)
         if len(ranks) >= self.world_size:  # only a connector's bug can follow its last report
