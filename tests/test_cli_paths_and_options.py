@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import attrs
@@ -110,11 +109,10 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(
     afile.write_text("mine\n")
     capsys.readouterr()
     argv = [a.format(dir=tmp_path, trace=trace, file=afile) for a in argv]
-    started = time.perf_counter()
+    # The old code ran the fuzz and model-check rows to the end and only then
+    # failed ("File exists"): the option named in the words says it was
+    # refused first (no timing: tests do not time).
     _refused(capsys, argv, *words)
-    # Not a timing claim: the fuzz row has a 30 s budget, and this says it
-    # was refused instead of spent (the old code ran it, then failed).
-    assert time.perf_counter() - started < 25
     assert afile.read_text() == "mine\n"
 
 
