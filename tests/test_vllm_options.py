@@ -35,7 +35,7 @@ def test_fields_of_other_readers_are_left_alone() -> None:
 def test_a_trace_that_cannot_be_written_is_refused_when_the_connector_is_built(
         tmp_path: Path) -> None:
     for path, why in [(str(tmp_path / "missing" / "t.jsonl"), "no directory"),
-                      (str(tmp_path), "a directory")]:
+                      (str(tmp_path), "is a directory")]:
         with pytest.raises(ValueError, match=rf"\['kvstate_trace'\]=.*cannot be written: {why}"):
             ConnectorOptions.from_extra_config({"kvstate_trace": path})
     home = ConnectorOptions.from_extra_config({"kvstate_trace": "~/kvstate-trace.jsonl"})

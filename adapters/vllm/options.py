@@ -34,6 +34,7 @@ from typing import Any
 
 import attrs
 
+from kvstate.trace.destination import unwritable
 from kvstate.variants import VARIANTS, is_variant
 
 MONITOR_MODES = ("off", "log", "raise")
@@ -63,17 +64,6 @@ def _misspelling(field: str) -> str | None:
     close = difflib.get_close_matches(folded, ours, n=1, cutoff=MISSPELT)
     return close[0] if close else None
 
-
-def _writable_trace(path: str) -> str | None:
-    """Why the trace file ``path`` cannot be written (None if it can)."""
-    if os.path.isdir(path):
-        return "a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"no directory {parent!r}"
-    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
-        return "not writable"
-    return None
 
 
 def _bad(field: str, value: Any, why: str) -> ValueError:
@@ -125,7 +115,7 @@ class ConnectorOptions:
             raise _bad("kvstate_trace", trace, "expected a file path")
         if trace is not None:
             trace = os.path.expanduser(trace)
-            why = _writable_trace(trace)
+            why = unwritable(trace)
             if why is not None:
                 raise _bad("kvstate_trace", trace, f"cannot be written: {why}")
         layer = extra.get("kvstate_trace_layer", "annotated")

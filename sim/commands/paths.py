@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from kvstate.trace.destination import unwritable
 from sim.commands.errors import UsageError
 
 
@@ -32,18 +33,10 @@ def output_file(path: str, option: str) -> Path:
     if path == "-":
         raise UsageError(f"{option} -: not standard output here (it carries the command's "
                          "report); give a file")
-    out = Path(path)
-    if out.is_dir():
-        raise UsageError(f"{option} {path}: is a directory")
-    parent = out.parent
-    if not parent.is_dir():
-        raise UsageError(f"{option} {path}: no directory {str(parent)!r}")
-    if out.exists():
-        if not os.access(out, os.W_OK):
-            raise UsageError(f"{option} {path}: not writable")
-    elif not os.access(parent, os.W_OK):
-        raise UsageError(f"{option} {path}: directory {str(parent)!r} is not writable")
-    return out
+    why = unwritable(path)
+    if why is not None:
+        raise UsageError(f"{option} {path}: {why}")
+    return Path(path)
 
 
 def output_dir(path: str, option: str) -> Path:
