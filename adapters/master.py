@@ -40,8 +40,12 @@ def master_binary() -> str:
 
 
 class Master:
-    def __init__(self) -> None:
+    """``flags``: more ``mooncake_master`` flags, e.g. ``--eviction_ratio=0``
+    (a store that never evicts: full is full, every further put -200)."""
+
+    def __init__(self, flags: tuple[str, ...] = ()) -> None:
         binary = master_binary()
+        self.flags = tuple(flags)
         for attempt in range(START_TRIES):
             try:
                 self._start(binary)
@@ -57,7 +61,8 @@ class Master:
         with tempfile.TemporaryFile() as stderr:
             self.process = subprocess.Popen(
                 [binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-                 "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"],
+                 "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+                 *self.flags],
                 stdout=subprocess.DEVNULL, stderr=stderr, env=env)
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:

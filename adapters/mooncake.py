@@ -32,6 +32,9 @@ T = TypeVar("T")
 
 
 
+MODES = ("embedded", "standalone-store")
+
+
 class MooncakeUnavailable(RuntimeError):
     """The mooncake package (or its system libraries) cannot be imported."""
 
@@ -57,10 +60,28 @@ class MooncakeConfig:
     device_name: str = ""
     global_segment_size: int = 256 << 20
     local_buffer_size: int = 64 << 20
+    # Upstream's topology switch (vLLM's MooncakeStoreConfig, 0.32 and 0.33):
+    # "embedded", each client mounts global_segment_size of store memory, or
+    # "standalone-store", clients mount none and a mooncake_client process
+    # owns the store's memory (`adapters.store_server`): the store outlives
+    # the engines. The same rule as upstream's, so one file serves both
+    # connectors.
+    mode: str = "embedded"
 
     def __attrs_post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"MooncakeConfig.protocol={self.protocol!r}: expected tcp or rdma")
+        if self.mode not in MODES:
+            raise ValueError(f"MooncakeConfig.mode={self.mode!r}: expected one of "
+                             f"{', '.join(MODES)}")
+        if self.mode == "embedded" and self.global_segment_size <= 0:
+            raise ValueError("MooncakeConfig.global_segment_size=0: mode 'embedded' needs a "
+                             "segment; a store held by a mooncake_client process is mode "
+                             "'standalone-store'")
+        if self.mode == "standalone-store" and self.global_segment_size != 0:
+            raise ValueError(f"MooncakeConfig.global_segment_size={self.global_segment_size}: "
+                             "mode 'standalone-store' mounts no segment (0); the "
+                             "mooncake_client process holds the store's memory")
         if not isinstance(self.master_server_address, str) or not re.fullmatch(
                 r"[^:\s]+:\d+", self.master_server_address):
             raise ValueError(f"MooncakeConfig.master_server_address="
@@ -69,7 +90,7 @@ class MooncakeConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> MooncakeConfig:
         # Fields vLLM's MooncakeStoreConfig reads that this client does not use.
-        ignored = {"mode", "enable_offload", "tenant_id"}
+        ignored = {"enable_offload", "tenant_id"}
         known = {f.name for f in attrs.fields(cls)} | ignored
         for key in data:
             if key not in known:
@@ -80,7 +101,10 @@ class MooncakeConfig:
         for size in ("global_segment_size", "local_buffer_size"):
             if size in fields:
                 fields[size] = parse_size(fields[size], size)
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
     @classmethod
     def from_env(cls) -> MooncakeConfig:

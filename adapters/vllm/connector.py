@@ -40,13 +40,19 @@ from kvstate.variants import get_variant
 from .options import ConnectorOptions, connector_config
 from .recorder import EngineLog
 from .scheduler_side import SchedulerSide
+from .versions import check_vllm_version
 from .worker_side import RankObservation, WorkerSide
 
 logger = logging.getLogger("kvstate.vllm")
 
-# Mooncake refuses segments under 16 MiB (client_buffer_allocation.cpp); the
-# scheduler's client only asks existence questions, so it contributes the least.
-LOOKUP_CLIENT_BYTES = 16 << 20
+# The scheduler's client only asks existence questions, so it mounts no
+# segment (0: Mooncake's setup then contributes no memory to the store). It
+# used to mount the smallest segment Mooncake takes (16 MiB): the master
+# placed some objects in it, and they left the store with the engine — the
+# holes a second engine found in a prefix the first had stored whole.
+LOOKUP_SEGMENT_BYTES = 0
+# Its local transfer buffer (it moves no bytes; Mooncake wants one).
+LOOKUP_BUFFER_BYTES = 16 << 20
 
 _HASH_NAMES = {"sha256": "vllm-sha256", "sha256_cbor": "vllm-sha256_cbor"}
 
@@ -103,6 +109,9 @@ class KvstateConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
+        import vllm
+
+        check_vllm_version(getattr(vllm, "__version__", "unknown"))
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("KvstateConnector needs the engine's kv_cache_config")
@@ -121,8 +130,8 @@ class KvstateConnector(KVConnectorBase_V1):
             if self.options.enable_lookup:
                 base = MooncakeConfig.from_env()
                 lookup_store = self._open(attrs.evolve(
-                    base, global_segment_size=LOOKUP_CLIENT_BYTES,
-                    local_buffer_size=LOOKUP_CLIENT_BYTES))
+                    base, global_segment_size=LOOKUP_SEGMENT_BYTES, mode="standalone-store",
+                    local_buffer_size=LOOKUP_BUFFER_BYTES))
             self._log = EngineLog(self.kv_config, self.variant.name, path=self.options.trace,
                                   monitor=self.options.monitor, header=self._trace_header,
                                   layer=self.options.trace_layer)

