@@ -26,8 +26,8 @@ MOONCAKE_FIXTURES = {"mooncake_master", "mooncake_store"}
 # importing them costs ~25 s (vLLM, torch; Ray ~1 s); they are not even
 # collected then. `tests/test_markers.py` keeps this set equal to the modules'
 # own marks.
-WHOLLY_SLOW_MODULES = frozenset({"test_cluster.py", "test_conformance.py", "test_mooncake.py",
-                                 "test_vllm_connector.py"})
+WHOLLY_SLOW_MODULES = frozenset({"test_cluster.py", "test_conformance.py", "test_engine.py",
+                                 "test_mooncake.py", "test_vllm_connector.py"})
 
 
 def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:

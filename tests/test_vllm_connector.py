@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import uuid
 
+import attrs
+
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.slow]
@@ -150,8 +152,8 @@ def test_round_trip_a_second_engine_loads_what_the_first_stored(engines) -> None
     assert second.invalid_block_ids == set()
     assert second.totals()["keys_loaded"] == 4
     e.close()
-    # The GPU smoke script counts store hits from a trace the same way.
-    from adapters.vllm.gpu_smoke import store_hits
+    # The engine smoke script counts store hits from a trace the same way.
+    from adapters.vllm.engine_smoke import store_hits
 
     assert store_hits(e.traces[1]) == {"lookups": 1, "lookups_with_hits": 1, "hit_tokens": 64}
 
@@ -427,25 +429,46 @@ def test_interop_with_upstreams_mooncake_store_connector(writer) -> None:
 
 
 
-def test_gpu_smoke_scripts_cpu_parts(tmp_path, monkeypatch) -> None:
-    """What `python -m adapters.vllm.gpu_smoke` builds before it needs a GPU:
-    prompts sharing a prefix, a kv_transfer_config vLLM and the connector
-    accept, a store config the Mooncake client reads."""
+def test_engine_specs_configure_vllm_and_both_connectors(tmp_path, monkeypatch) -> None:
+    """What `adapters.vllm.engine` hands vLLM before any engine starts: a
+    kv_transfer_config vLLM's own config class accepts for either connector,
+    and an engine store file (no store memory in the engine, upstream's mode
+    'standalone-store') that kvstate's and upstream's config readers both
+    take the same way."""
     from vllm.config import KVTransferConfig
+    from vllm.distributed.mooncake_store import MooncakeStoreConfig
 
     from adapters.mooncake import MooncakeConfig
-    from adapters.vllm.gpu_smoke import connector_transfer_config, smoke_prompts, write_store_config
+    from adapters.store_server import engine_store_config
+    from adapters.vllm.engine import EngineRequest, EngineSpec, Wave, transfer_config
+    from adapters.vllm.engine_smoke import smoke_prompts
     from adapters.vllm.options import ConnectorOptions
 
     prompts = smoke_prompts(batch=3, prefix=32, suffix=4)
     assert len({tuple(p[:32]) for p in prompts}) == 1 and len({tuple(p) for p in prompts}) == 3
-    config = connector_transfer_config(str(tmp_path / "t.jsonl"))
-    transfer = KVTransferConfig(**config)
+    wave = Wave([EngineRequest("a", prompts[0], 4), EngineRequest("a", prompts[1], 4, "a")])
+    trace = str(tmp_path / "t.jsonl")
+    spec = EngineSpec(model="m", waves=[wave], connector="kvstate",
+                      extra={"save_decode_cache": True, "kvstate_trace": trace})
+    assert EngineSpec.from_json(spec.to_json()) == spec
+    transfer = KVTransferConfig(**transfer_config(spec))
+    assert transfer.kv_connector == "KvstateConnector"
     options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
-    assert options.save_decode_cache and options.trace == str(tmp_path / "t.jsonl")
-    write_store_config(tmp_path / "mc.json", "127.0.0.1:5555")
-    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(tmp_path / "mc.json"))
-    assert MooncakeConfig.from_env().master_server_address == "127.0.0.1:5555"
+    assert options.save_decode_cache and options.trace == trace
+    upstream = KVTransferConfig(**transfer_config(attrs.evolve(spec, connector="mooncake",
+                                                               extra={})))
+    assert upstream.kv_connector == "MooncakeStoreConnector"
+    assert transfer_config(attrs.evolve(spec, connector=None)) is None
+    with pytest.raises(ValueError, match="EngineSpec.connector='lmcache'"):
+        attrs.evolve(spec, connector="lmcache")
+
+    path = engine_store_config(tmp_path / "mc.json", "127.0.0.1:5555")
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", path)
+    ours = MooncakeConfig.from_env()
+    theirs = MooncakeStoreConfig.load_from_config()
+    assert ours.master_server_address == theirs.master_server_address == "127.0.0.1:5555"
+    assert ours.global_segment_size == theirs.global_segment_size == 0
+    assert ours.mode == theirs.mode == "standalone-store"
 
 
 def test_bench_vllm_measures_both_connectors_at_each_context() -> None:

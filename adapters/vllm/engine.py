@@ -76,9 +76,10 @@ def tiny_llama_dir(path: str | Path, seed: int = 0, *, layers: int = 2,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    shape = dict(MODEL_SHAPE, num_hidden_layers=layers, num_key_value_heads=kv_heads)
+    shape: dict[str, Any] = dict(MODEL_SHAPE, num_hidden_layers=layers,
+                                 num_key_value_heads=kv_heads, dtype="float32")
     config = LlamaConfig(**shape, max_position_embeddings=8192, initializer_range=INIT_STD,
-                         tie_word_embeddings=True, torch_dtype="float32",
+                         tie_word_embeddings=True,
                          bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
@@ -209,8 +210,11 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     engine = llm.llm_engine
     result: dict[str, Any] = {"vllm": vllm.__version__, "start_s": time.perf_counter() - started,
                               "waves": []}
+    external = _count_external_tokens(llm) if not spec.multiprocess else None
     for wave in spec.waves:
         result["waves"].append(_run_wave(engine, wave, SamplingParams, TokensPrompt))
+    if external is not None:
+        result["external_tokens"] = external
     if not spec.multiprocess:
         result.update(_drain(llm, spec))
     engine.engine_core.shutdown()
@@ -286,6 +290,27 @@ def _drain(llm: Any, spec: EngineSpec) -> dict[str, Any]:
             worker.worker.take_counters()
             out["worker_totals"] = dict(worker.worker.totals)
     return out
+
+
+def _count_external_tokens(llm: Any) -> dict[str, int] | None:
+    """Wrap the scheduler connector's ``get_num_new_matched_tokens`` (any
+    connector's): the tokens it offered vLLM from the store, per request id,
+    summed over the request's admissions. ``None`` without a connector."""
+    connector = getattr(_core(llm).scheduler, "connector", None)
+    if connector is None:
+        return None
+    counted: dict[str, int] = {}
+    real = connector.get_num_new_matched_tokens
+
+    def matched(request: Any, num_computed_tokens: int) -> Any:
+        answer = real(request, num_computed_tokens)
+        tokens = answer[0] if isinstance(answer, tuple) else None
+        if tokens:
+            counted[request.request_id] = counted.get(request.request_id, 0) + tokens
+        return answer
+
+    connector.get_num_new_matched_tokens = matched
+    return counted
 
 
 PREEMPTIONS = [0]

