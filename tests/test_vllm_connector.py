@@ -13,7 +13,6 @@ import json
 import uuid
 
 import attrs
-
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.slow]
