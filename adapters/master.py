@@ -80,6 +80,25 @@ class Master:
         self.stop()
         raise MasterError("mooncake_master did not open its port within 20 s")
 
+    def metrics(self) -> dict[str, float]:
+        """The master's Prometheus counters and gauges (``/metrics`` on its
+        metrics port), e.g. ``master_allocated_bytes``, ``master_key_count``."""
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            text = answer.read().decode(errors="replace")
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if line.startswith("#") or not value:
+                continue
+            try:
+                values[name] = float(value.split()[0])
+            except ValueError:
+                continue
+        return values
+
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"

@@ -306,3 +306,28 @@ def test_engine_smoke_passes_on_cpu(tmp_path) -> None:
     assert result["vllm"].startswith("0.32")
     assert result["store_hit_tokens"]["second_engine"] == result["store_hit_tokens"]["expected"]
     assert result["bytes_loaded"] > 0
+
+
+def test_bench_engine_measures_every_connector_cold_and_warm() -> None:
+    """``kvstate bench engine --quick``'s machinery (a benchmark, not a test
+    of speed: no figure is asserted): every row is measured, every
+    connector's outputs equal the reference, a warm engine loads from the
+    store and a cold one stored bytes in it."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "sim.cli", "bench", "engine", "--quick",
+                           "--json", "--engine-python", engine_python()], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)["engine"]
+    rows = report["rows"]
+    assert set(rows) == {"none", "kvstate cold", "kvstate warm", "mooncake cold",
+                         "mooncake warm"}
+    for name in ("kvstate", "mooncake"):
+        assert rows[f"{name} cold"]["outputs_equal"] and rows[f"{name} warm"]["outputs_equal"]
+        assert rows[f"{name} cold"]["bytes_stored"] > 0
+        assert rows[f"{name} warm"]["store_hit_tokens"] > 0
+        assert rows[f"{name} warm"]["bytes_loaded"] > 0
+    assert all(row["step_ms"] > 0 and row["tokens_per_s"] > 0 for row in rows.values())

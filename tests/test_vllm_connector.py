@@ -400,6 +400,16 @@ def test_bad_extra_config_is_refused_with_the_field(model_dir, store_config) -> 
         Rig(make_vllm_config(model_dir, extra={"kvstate_montior": "raise"}), 16)
 
 
+def test_an_untested_vllm_version_is_refused_at_start(model_dir, store_config,
+                                                      monkeypatch) -> None:
+    import vllm
+
+    monkeypatch.delenv("KVSTATE_ALLOW_UNTESTED_VLLM", raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(RuntimeError, match="tested with vLLM 0.32, 0.33; this is vLLM '0.35.0'"):
+        Rig(make_vllm_config(model_dir), 16)
+
+
 @pytest.mark.parametrize("writer", ["upstream", "kvstate"])
 def test_interop_with_upstreams_mooncake_store_connector(writer) -> None:
     """One master, two connectors (`adapters.vllm.interop`): the other one

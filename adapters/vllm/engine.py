@@ -87,6 +87,40 @@ def tiny_llama_dir(path: str | Path, seed: int = 0, *, layers: int = 2,
     return str(path)
 
 
+ENGINE_PYTHON = "KVSTATE_ENGINE_PYTHON"
+
+
+def engine_python() -> str:
+    """The interpreter engines run with: ``$KVSTATE_ENGINE_PYTHON``, else the
+    CPU engine's virtualenv beside this checkout (``.venv-engine``, as the
+    README's test command makes it), else this Python."""
+    chosen = os.environ.get(ENGINE_PYTHON)
+    if chosen:
+        return chosen
+    beside = Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python"
+    return str(beside) if beside.exists() else sys.executable
+
+
+class EngineFailed(RuntimeError):
+    """An engine process exited without a result (its last words included)."""
+
+
+def make_model_with(python: str, path: str | Path, **shape: int) -> str:
+    """`tiny_llama_dir` run by ``python`` (the engine's environment has torch
+    and transformers; the calling one need not)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; from adapters.vllm.engine import tiny_llama_dir; "
+            f"tiny_llama_dir(sys.argv[1], **{shape!r})")
+    done = subprocess.run([python, "-c", code, str(path)], cwd=str(root), capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise EngineFailed(f"could not make the model in {path} with {python}: "
+                           f"{done.stderr.strip()[-1000:]}")
+    return str(path)
+
+
 @attrs.frozen
 class EngineRequest:
     req_id: str
@@ -118,6 +152,7 @@ class EngineSpec:
     multiprocess: bool = False
     load_failure_policy: str = "recompute"
     corrupt_loads: bool = False  # the negative control: loaded blocks zeroed
+    time_connector: bool = False  # seconds inside each connector method (benchmarks)
     drain_timeout: float = 60.0
 
     def __attrs_post_init__(self) -> None:
@@ -211,10 +246,13 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     result: dict[str, Any] = {"vllm": vllm.__version__, "start_s": time.perf_counter() - started,
                               "waves": []}
     external = _count_external_tokens(llm) if not spec.multiprocess else None
+    timed = _time_connector(llm) if spec.time_connector and not spec.multiprocess else None
     for wave in spec.waves:
         result["waves"].append(_run_wave(engine, wave, SamplingParams, TokensPrompt))
     if external is not None:
         result["external_tokens"] = external
+    if timed is not None:
+        result["connector_s"] = timed
     if not spec.multiprocess:
         result.update(_drain(llm, spec))
     engine.engine_core.shutdown()
@@ -313,6 +351,42 @@ def _count_external_tokens(llm: Any) -> dict[str, int] | None:
     return counted
 
 
+def _time_connector(llm: Any) -> dict[str, float] | None:
+    """Wrap every connector API method on the scheduler's and the worker's
+    connector objects (the methods ``KVConnectorBase_V1`` declares): wall
+    seconds spent inside each, summed, keyed ``scheduler.NAME`` or
+    ``worker.NAME``. Send and receive threads are not on the engine's step
+    path and are not counted here (their cost shows in the step time)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    sides = {"scheduler": getattr(_core(llm).scheduler, "connector", None),
+             "worker": _worker_connector()}
+    if sides["scheduler"] is None:
+        return None
+    names = [n for n, v in vars(KVConnectorBase_V1).items()
+             if callable(v) and not n.startswith("_") and not isinstance(v, classmethod)
+             and not isinstance(v, staticmethod)]
+    spent: dict[str, float] = {}
+    for side, connector in sides.items():
+        if connector is None:
+            continue
+        for name in names:
+            method = getattr(connector, name, None)
+            if method is None or not callable(method):
+                continue
+            key = f"{side}.{name}"
+
+            def timed(*args: Any, __m: Any = method, __k: str = key, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return __m(*args, **kwargs)
+                finally:
+                    spent[__k] = spent.get(__k, 0.0) + time.perf_counter() - start
+
+            setattr(connector, name, timed)
+    return spent
+
+
 PREEMPTIONS = [0]
 
 
@@ -337,10 +411,6 @@ def _worker_connector() -> Any:
         return get_kv_transfer_group()
     except Exception:  # noqa: BLE001 - no worker connector in this process
         return None
-
-
-class EngineFailed(RuntimeError):
-    """An engine process exited without a result (its last words included)."""
 
 
 def run_in_process(spec: EngineSpec, workdir: str | Path, name: str, *,

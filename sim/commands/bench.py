@@ -36,6 +36,29 @@ def _bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """Engines run in processes of the engine's own environment; this one
+    only starts the store and reads their results."""
+    import os
+
+    from adapters.master import MasterError
+    from adapters.vllm.engine import EngineFailed, engine_python
+    from adapters.vllm.engine_bench import bench_engine, format_engine
+
+    python = args.engine_python or engine_python()
+    if not os.access(python, os.X_OK):
+        raise UsageError(f"--engine-python {python}: not an executable")
+    try:
+        report = bench_engine(python, quick=args.quick)
+    except (EngineFailed, MasterError) as exc:
+        raise UsageError(f"bench engine needs a computing vLLM (the CPU engine's venv: "
+                         f"see the README's test command) and the mooncake extra: {exc}"
+                         ) from None
+    if not args.json:
+        print(format_engine(report))
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
     from sim.bench import bench_core, bench_memory, bench_sim, format_report, ratio_lines
 
@@ -124,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
             print(table([[k, str(v)] for k, v in report["check"].items()]))
     if "vllm" in parts:
         report["vllm"] = _bench_vllm(args)
+    if "engine" in parts:
+        report["engine"] = _bench_engine(args)
     if "hypothesis" in parts:
         from sim.bench import bench_hypothesis
 
@@ -140,7 +165,7 @@ def register(sub: Any) -> None:
     parser = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
     parser.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants",
                                                    "tools", "modelcheck", "hypothesis", "check",
-                                                   "vllm", "campaign"),
+                                                   "vllm", "engine", "campaign"),
                        help="what to measure (default: core sim)")
     parser.add_argument("--tool-protocol", type=protocol_name, action="append",
                        help="for 'tools': only these variants (repeatable; default: all)")
@@ -154,6 +179,10 @@ def register(sub: Any) -> None:
                        "('local' starts one here; needs pip install 'kvstate[ray]')")
     parser.add_argument("--out-dir", default=".",
                        help="for 'tools': where counterexample traces go")
+    parser.add_argument("--engine-python", metavar="PYTHON", default=None,
+                       help="for 'engine': the interpreter of the environment holding a "
+                       "computing vLLM (default: $KVSTATE_ENGINE_PYTHON, else .venv-engine "
+                       "beside the checkout, else this Python)")
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     parser.add_argument("--memory-requests", type=positive_int, nargs="+",
                        default=[10_000, 100_000])
