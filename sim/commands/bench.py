@@ -49,7 +49,7 @@ def _bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     if not os.access(python, os.X_OK):
         raise UsageError(f"--engine-python {python}: not an executable")
     try:
-        report = bench_engine(python, quick=args.quick)
+        report = bench_engine(python, quick=args.quick, rounds=None if args.quick else args.repeats)
     except (EngineFailed, MasterError) as exc:
         raise UsageError(f"bench engine needs a computing vLLM (the CPU engine's venv: "
                          f"see the README's test command) and the mooncake extra: {exc}"
