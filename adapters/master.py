@@ -26,17 +26,22 @@ class MasterError(RuntimeError):
     (its own last words in the message)."""
 
 
-def master_binary() -> str:
-    """``mooncake_master`` on PATH, else beside this Python (a virtualenv's
-    ``bin/``, where the wheel installs it, need not be on PATH)."""
-    found = shutil.which("mooncake_master")
-    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+def wheel_binary(name: str) -> str:
+    """A Mooncake program (``mooncake_master``, ``mooncake_client``) on PATH,
+    else beside this Python (a virtualenv's ``bin/``, where the wheel installs
+    it, need not be on PATH)."""
+    found = shutil.which(name)
+    beside = os.path.join(os.path.dirname(sys.executable), name)
     if found is None and os.access(beside, os.X_OK):
         found = beside
     if found is None:
-        raise MasterError(f"mooncake_master not found on PATH or beside {sys.executable}: "
+        raise MasterError(f"{name} not found on PATH or beside {sys.executable}: "
                           "pip install 'kvstate[mooncake]' installs it")
     return found
+
+
+def master_binary() -> str:
+    return wheel_binary("mooncake_master")
 
 
 class Master:

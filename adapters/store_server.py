@@ -23,30 +23,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .master import MasterError, free_port
+from .master import MasterError, free_port, wheel_binary
 
 # How long the process may take to mount its segment and register with the
 # master (seen here: under 2 s for 1 GiB).
 READY_TIMEOUT = 30.0
-
-
-def client_binary() -> str:
-    """``mooncake_client`` on PATH, else beside this Python (as `master_binary`)."""
-    found = shutil.which("mooncake_client")
-    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_client")
-    if found is None and os.access(beside, os.X_OK):
-        found = beside
-    if found is None:
-        raise MasterError(f"mooncake_client not found on PATH or beside {sys.executable}: "
-                          "pip install 'kvstate[mooncake]' installs it")
-    return found
 
 
 def engine_store_config(path: str | Path, master: str, *, segment: str | int = 0,
@@ -74,7 +60,7 @@ class StoreServer:
         self._stderr = tempfile.TemporaryFile()
         env = dict(os.environ, MC_LOG_LEVEL="ERROR")
         self.process = subprocess.Popen(
-            [client_binary(), f"--master_server_address={master}",
+            [wheel_binary("mooncake_client"), f"--master_server_address={master}",
              "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={self.port}",
              f"--global_segment_size={segment}", "--protocol=tcp"],
             stdout=subprocess.DEVNULL, stderr=self._stderr, env=env)

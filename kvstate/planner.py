@@ -35,8 +35,9 @@ import attrs
 
 from kvstate.config import ConnectorConfig, GroupKind
 from kvstate.events import BlockStored
-from kvstate.keys import blocks_needed_for_hit, chunk_hash, key_for, key_prefix, store_mask
+from kvstate.keys import blocks_needed_for_hit, cdiv, chunk_hash, key_for, key_prefix, store_mask
 from kvstate.records import (
+    NULL_BLOCK_ID,
     CachedRequest,
     GenerationEnd,
     GenerationStart,
@@ -137,6 +138,9 @@ class _StepOutput:
             violations=tuple(self.violations))
 
 
+_NOTHING_LOADING: frozenset[tuple[int, int]] = frozenset()
+
+
 class Planner:
     def __init__(self, config: ConnectorConfig, variant: Variant = KVSTATE) -> None:
         self.config = config
@@ -150,6 +154,7 @@ class Planner:
         self._step = 0
         self._loads_pending: dict[GenKey, list[LoadReport]] = {}
         self._load_queue: list[Tracker] = []
+        self._loading: frozenset[tuple[int, int]] = _NOTHING_LOADING
         self._num_groups = len(config.groups)
         self._lookup_prefixes = [
             [key_prefix(config, ns * config.put_step, g) for g in range(self._num_groups)]
@@ -355,6 +360,7 @@ class Planner:
             self._refuse_scheduled_preemptions(sched, out)
         self._finish(sched.finished, out)
         self._preempt(sched.preempted, out)
+        self._loading = self._blocks_loading() if self._load_queue else _NOTHING_LOADING
         self._admit(sched.new, out)
         if not self.config.is_consumer or self.config.save_decode_cache:
             self._continue(sched.cached, out)
@@ -435,7 +441,7 @@ class Planner:
             if events_on:
                 tracker.token_ids = list(new.prompt_token_ids[:tracker.token_len])
             skip = variant.skip_prefill_save(is_consumer) or variant.skip_on_loading_step(
-                tracker.can_load)
+                tracker.can_load) or (bool(self._loading) and self._reads_loading(tracker))
             tracker.can_load = False
             self._maybe_save(tracker, skip, False, out.saves, out.pins)
 
@@ -467,6 +473,19 @@ class Planner:
                         tracker.save_at = variant.chunk_boundary(tracker.num_saved_tokens, bs)
             else:
                 tracker.fire(_RE.SCHEDULE_PREFILL)
+            computed = cached.num_computed_tokens
+            if computed < tracker.token_len:
+                # vLLM rewound the request: a load failed and
+                # kv_load_failure_policy=recompute set num_computed_tokens back
+                # to the first failed block, so this step recomputes from
+                # there. Counting its tokens on top of the old length planned
+                # saves of tokens not computed yet (S7, found in the real
+                # engine). Upstream's tracker slices all_token_ids from its
+                # own length, which clamps at the sequence's end: the same
+                # length after a rewind during prefill.
+                tracker.token_len = computed
+                if tracker.token_ids is not None:
+                    del tracker.token_ids[computed:]
             tracker.token_len += len(cached.new_token_ids)
             if events_on and tracker.token_ids is not None:
                 tracker.token_ids.extend(cached.new_token_ids)
@@ -486,6 +505,8 @@ class Planner:
             # "a full block past it exists" is a plain comparison.
             if tracker.token_len < tracker.save_at:
                 continue
+            if self._loading and self._reads_loading(tracker):
+                continue  # saved next step, once this step's loads reported
             self._maybe_save(tracker, False, is_decode, out.saves, out.pins)
 
     def _resume(self, resumed: Sequence[ResumedRequest], out: _StepOutput) -> None:
@@ -514,7 +535,34 @@ class Planner:
             tracker.fire(_RE.SCHEDULE_DECODE if is_decode else _RE.SCHEDULE_PREFILL)
             if config.is_consumer and not (config.save_decode_cache and is_decode):
                 continue
-            self._maybe_save(tracker, False, is_decode, out.saves, out.pins)
+            skip = bool(self._loading) and self._reads_loading(tracker)
+            self._maybe_save(tracker, skip, is_decode, out.saves, out.pins)
+
+    def _blocks_loading(self) -> frozenset[tuple[int, int]]:
+        """(group, block) pairs a load of this step fills (the loads
+        `_plan_loads` is about to emit), when the variant defers saves over
+        them; empty otherwise."""
+        if not self.variant.defer_saves_over_loads:
+            return _NOTHING_LOADING
+        bs = self.config.block_size
+        loading = set()
+        for tracker in self._load_queue:
+            if tracker.load is None or tracker.ended:
+                continue
+            start, end = tracker.load
+            for g, table in enumerate(tracker.block_ids):
+                for block in table[start // bs:cdiv(end, bs)]:
+                    if block != NULL_BLOCK_ID:
+                        loading.add((g, block))
+        return frozenset(loading)
+
+    def _reads_loading(self, tracker: Tracker) -> bool:
+        """Whether this step's forward reads, for ``tracker``, a block a load
+        of this step fills: its KV of this step rests on the load's outcome."""
+        loading = self._loading
+        upto = cdiv(tracker.token_len, self.config.block_size)
+        return any((g, block) in loading
+                   for g, table in enumerate(tracker.block_ids) for block in table[:upto])
 
     def _plan_loads(self, out: _StepOutput) -> None:
         """Load-only metas for requests allocated with an external hit since

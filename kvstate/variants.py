@@ -365,6 +365,15 @@ class Variant:
     # state (the skip counts as a failed save), so the next live job's events
     # still carry the skipped range's tokens; kvstate's default drops it there.
     skip_keeps_retry: bool = False
+    # A request whose context shares a block that a load of this very step
+    # fills (vLLM's prefix cache hands out blocks as soon as they are
+    # allocated for a load) computes over that block before the load's
+    # outcome is known; if the load fails, the KV it computes is wrong and a
+    # save in that step stores it under valid keys (found in the real engine:
+    # a later engine loaded the wrong bytes and generated other tokens).
+    # kvstate defers such saves to the next step, when the load's outcome and
+    # vLLM's recompute are in; upstream saves in that step.
+    defer_saves_over_loads: bool = True
     stride_origin: Callable[[int], int] = stride_absolute
     exists_keys: Callable[[tuple[str, ...]], tuple[str, ...]] = check_all
     after_raise: Callable[[Any], Any] = report_after_raise
@@ -405,6 +414,7 @@ E2 = attrs.evolve(
     skip_keeps_retry=True,
     offset_after_failure=offset_kept,
     call_timeout=None,
+    defer_saves_over_loads=False,
 )
 
 E1 = attrs.evolve(

@@ -160,6 +160,68 @@ def test_upstream_connector_serves_what_kvstate_stored(filled) -> None:
     assert sum(upstream["external_tokens"].values()) == sum(full_blocks(len(p)) for p in PROMPTS)
 
 
+@pytest.mark.parametrize("position", [0, 3, 7], ids=["first", "middle", "last"])
+def test_a_load_failing_at_any_block_is_recomputed_and_outputs_equal(filled, position) -> None:
+    """The store answers -704 (gone since the lookup) for one block of every
+    load and leaves that block's stale bytes in place: vLLM's recompute
+    policy rewinds each request to its first failed block, the connector
+    follows the rewind (its saves used to run ahead of the computed tokens:
+    S7, the engine stopped by the monitor), and outputs equal."""
+    deployment, baseline, _ = filled
+    failing = deployment.run(f"fail{position}", [WAVE], fail_loads=[position],
+                             load_failure_policy="recompute")
+    assert failing["worker_totals"]["load_failures"] > 0
+    assert outputs(failing) == outputs(baseline)
+    assert_drained(failing)
+    assert_trace_checks_and_replays(failing["trace"])
+
+
+def test_with_policy_fail_a_failed_load_ends_its_requests_with_an_error(filled) -> None:
+    """``kv_load_failure_policy=fail``: the requests that read the failed
+    block (all four share it through vLLM's prefix cache) end with an error,
+    the engine serves on and drains with nothing pinned."""
+    deployment, _, _ = filled
+    failing = deployment.run("fail-policy", [WAVE], fail_loads=[3], load_failure_policy="fail")
+    reasons = failing["waves"][0]["finish_reasons"]
+    assert reasons == {f"r{b}": ["error"] for b in range(4)}
+    assert_drained(failing)
+    assert_trace_checks_and_replays(failing["trace"])
+
+
+@pytest.mark.parametrize("protocol", ["kvstate", "e2"])
+def test_kv_computed_over_a_failed_load_is_never_stored(tmp_path, model, protocol) -> None:
+    """Request ``n`` shares the prefix ``r0`` loads in the same step (vLLM's
+    prefix cache hands out the blocks as soon as they are allocated) and
+    computes its own three blocks over them; ``r0``'s load fails at block 3,
+    whose stale bytes ``n`` reads. Saving ``n``'s blocks in that step stores
+    wrong KV under valid keys: a later engine loads them and generates other
+    tokens. kvstate defers those saves until the step's loads reported;
+    upstream's bookkeeping (``e2``) saves at once and poisons the store."""
+    deployment = start_deployment(tmp_path, model)
+    own = prompt(100, 77)
+    check = Wave([EngineRequest("n", SHARED + own, 16)])
+    try:
+        baseline = deployment.run("baseline", [check], connector=None)
+        extra = {"kvstate_protocol": protocol}
+        deployment.run("fill", [Wave([EngineRequest("r0", PROMPTS[0], 8)])], extra=extra)
+        reader = deployment.run("reader", [Wave([EngineRequest("r0", PROMPTS[0], 8),
+                                                 EngineRequest("n", SHARED + own, 8)])],
+                                fail_loads=[3], extra=extra,
+                                monitor="raise" if protocol == "kvstate" else "log")
+        later = deployment.run("later", [check], extra=extra,
+                               monitor="raise" if protocol == "kvstate" else "log")
+    finally:
+        deployment.close()
+    assert reader["worker_totals"]["load_failures"] == 1
+    assert reader["worker_totals"]["keys_put"] == 3  # n's own blocks, stored either way
+    assert later["worker_totals"]["keys_loaded"] == 10
+    if protocol == "kvstate":
+        assert outputs(later) == outputs(baseline)
+        assert_trace_checks_and_replays(reader["trace"])
+    else:
+        assert outputs(later) != outputs(baseline)  # upstream's hazard, reproduced
+
+
 def test_kvstate_serves_what_upstream_stored(tmp_path, model) -> None:
     deployment = start_deployment(tmp_path, model)
     try:

@@ -37,6 +37,7 @@ a running engine, not between two.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -152,6 +153,9 @@ class EngineSpec:
     multiprocess: bool = False
     load_failure_policy: str = "recompute"
     corrupt_loads: bool = False  # the negative control: loaded blocks zeroed
+    # Chunk positions (block index within a request) whose store reads fail
+    # with -704 (OBJECT_NOT_FOUND: evicted or expired between lookup and get).
+    fail_loads: list[int] = attrs.field(factory=list)
     time_connector: bool = False  # seconds inside each connector method (benchmarks)
     drain_timeout: float = 60.0
 
@@ -214,6 +218,47 @@ def _corrupt_loads() -> None:
     worker_side.WorkerSide.load = load  # type: ignore[method-assign]
 
 
+OBJECT_NOT_FOUND = -704  # Mooncake's code for a key gone between lookup and get
+
+
+def _fail_loads(positions: frozenset[int]) -> None:
+    """Make the store answer -704 for the reads of chunks at ``positions``
+    (kvstate's loads): the engine's recovery (``kv_load_failure_policy``)
+    must then take over."""
+    from adapters.vllm import worker_side
+
+    real = worker_side.WorkerSide.load
+
+    def load(self: Any, plan: Any) -> None:
+        poisoned = set()
+        for meta in plan.loads:
+            first = meta.start_token // self.config.block_size
+            for i, key in enumerate(self.executor.load_call(meta).keys):
+                if first + i in positions:  # one group: the i-th key is chunk first + i
+                    poisoned.add(key)
+        store = self.store
+        real_get = store.get
+
+        def get(keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
+            got = real_get(keys, ptrs, sizes)
+            # A get that failed leaves the block as it was (stale bytes of
+            # its previous use): zeros stand in for them, so a forward that
+            # reads the block before it is recomputed computes wrong KV.
+            for key, buffers, lengths in zip(keys, ptrs, sizes):
+                if key in poisoned:
+                    for ptr, length in zip(buffers, lengths):
+                        ctypes.memset(ptr, 0, length)
+            return [OBJECT_NOT_FOUND if k in poisoned else g for k, g in zip(keys, got)]
+
+        store.get = get
+        try:
+            real(self, plan)
+        finally:
+            del store.get
+
+    worker_side.WorkerSide.load = load  # type: ignore[method-assign]
+
+
 def _core(llm: Any) -> Any:
     """The in-process ``EngineCore`` (single-process mode only)."""
     return llm.llm_engine.engine_core.engine_core
@@ -223,6 +268,8 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     _environment(spec)
     if spec.corrupt_loads:
         _corrupt_loads()
+    if spec.fail_loads:
+        _fail_loads(frozenset(spec.fail_loads))
     if not spec.multiprocess:
         _count_preemptions()
     import vllm
@@ -276,6 +323,7 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any) -> dic
         else:
             waiting.setdefault(request.follows, []).append(request)
     outputs: dict[str, list[list[int]]] = {}
+    reasons: dict[str, list[str | None]] = {}
     first_token_s: dict[str, float] = {}
     steps = 0
     started = time.perf_counter()
@@ -294,13 +342,14 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any) -> dic
                 first_token_s[out.request_id] = now - added_at.get(out.request_id, started)
             if out.finished:
                 outputs.setdefault(out.request_id, []).append(tokens)
+                reasons.setdefault(out.request_id, []).append(out.outputs[0].finish_reason)
                 for follower in waiting.pop(out.request_id, []):
                     add(follower)
                     added_at[follower.req_id] = time.perf_counter()
                     first_token_s.pop(follower.req_id, None)
         if steps > 100_000:
             raise RuntimeError("the wave did not finish in 100,000 engine steps")
-    return {"outputs": outputs, "steps": steps, "wall_s": time.perf_counter() - started,
+    return {"outputs": outputs, "finish_reasons": reasons, "steps": steps, "wall_s": time.perf_counter() - started,
             "first_token_s": first_token_s, "killed": killed}
 
 
