@@ -9,10 +9,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import IO
 
 # Fresh ports are picked and then bound by the master, so another process can
 # take one in between; a few tries make that race harmless.
 START_TRIES = 3
+START_TIMEOUT = 20.0  # seconds for a process to open its port (seen: well under 1 s)
 
 
 def free_port() -> int:
@@ -38,6 +40,37 @@ def wheel_binary(name: str) -> str:
         raise MasterError(f"{name} not found on PATH or beside {sys.executable}: "
                           "pip install 'kvstate[mooncake]' installs it")
     return found
+
+
+def wait_listening(process: subprocess.Popen[bytes], port: int, stderr: IO[bytes], what: str,
+                   timeout: float) -> None:
+    """Return once ``process`` accepts connections on 127.0.0.1:``port``;
+    raise `MasterError` with its last words (``stderr``) if it exits first,
+    or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            stderr.seek(0)
+            said = stderr.read().decode(errors="replace").strip().splitlines()[-3:]
+            raise MasterError(f"{what} exited with {process.returncode}: "
+                              f"{' | '.join(said) or '-'}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise MasterError(f"{what} did not open port {port} within {timeout:.0f} s")
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def master_binary() -> str:
@@ -69,21 +102,13 @@ class Master:
                  "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
                  *self.flags],
                 stdout=subprocess.DEVNULL, stderr=stderr, env=env)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    stderr.seek(0)
-                    said = stderr.read().decode(errors="replace").strip().splitlines()[-3:]
-                    raise MasterError(f"mooncake_master (ports {self.port}, "
-                                      f"{self.metrics_port}) exited with "
-                                      f"{self.process.returncode}: {' | '.join(said) or '-'}")
-                try:
-                    socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                    return
-                except OSError:
-                    time.sleep(0.05)
-        self.stop()
-        raise MasterError("mooncake_master did not open its port within 20 s")
+            try:
+                wait_listening(self.process, self.port, stderr,
+                               f"mooncake_master (ports {self.port}, {self.metrics_port})",
+                               START_TIMEOUT)
+            except MasterError:
+                self.stop()
+                raise
 
     def metrics(self) -> dict[str, float]:
         """The master's Prometheus counters and gauges (``/metrics`` on its
@@ -109,10 +134,4 @@ class Master:
         return f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)

@@ -20,6 +20,7 @@ import os
 import queue
 import re
 import socket
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -39,16 +40,40 @@ class MooncakeUnavailable(RuntimeError):
     """The mooncake package (or its system libraries) cannot be imported."""
 
 
+# The largest size a config may ask for: 1 PiB, far above any machine's
+# memory, so a typo ("99999999999t", 10**30) is refused here, naming the
+# field, instead of failing inside Mooncake's allocator.
+MAX_SIZE = 1 << 50
+# A Mooncake config file is a few hundred bytes; a file far larger (or a
+# FIFO, a device) is not one, and reading it must not block or fill memory.
+CONFIG_FILE_LIMIT = 1 << 20
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
 def parse_size(value: Any, field: str) -> int:
-    """``"4gb"``, ``"512MB"``, ``"64 kib"`` or a plain integer, in bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", str(value).lower())
-    if not match:
-        raise ValueError(f"MooncakeConfig.{field}={value!r}: expected a size like '4gb'")
-    number, unit = float(match.group(1)), match.group(2).rstrip("b").rstrip("i")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
-    return int(number * scale)
+    """``"4gb"``, ``"512MB"``, ``"1.5 gib"``, ``"0"`` or a plain integer, in
+    whole bytes, at most `MAX_SIZE`. A fraction of a byte (``"1.5"``) and
+    anything that is not a number with a unit are refused, naming the field."""
+    from fractions import Fraction
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"MooncakeConfig.{field}={value!r}: {why}")
+
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise bad("expected a size like '4gb' or a whole number of bytes")
+    if isinstance(value, int):
+        size = Fraction(value)
+    else:
+        match = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,20})?)\s*([kmgt]?)(i?b?)\s*",
+                             value.lower())
+        if not match or (match.group(3) and not match.group(2) and match.group(3) != "b"):
+            raise bad("expected a size like '4gb'")
+        size = Fraction(match.group(1)) * _UNITS[match.group(2)]
+    if size.denominator != 1:
+        raise bad("not a whole number of bytes")
+    if not 0 <= size <= MAX_SIZE:
+        raise bad(f"expected 0 to {MAX_SIZE} bytes (1 PiB)")
+    return int(size)
 
 
 @attrs.frozen(slots=True)
@@ -69,6 +94,20 @@ class MooncakeConfig:
     mode: str = "embedded"
 
     def __attrs_post_init__(self) -> None:
+        for name in ("master_server_address", "metadata_server", "local_hostname", "protocol",
+                     "device_name", "mode"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"MooncakeConfig.{name}={value!r}: expected a string")
+        for name in ("global_segment_size", "local_buffer_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not (
+                    0 <= value <= MAX_SIZE):
+                raise ValueError(f"MooncakeConfig.{name}={value!r}: expected 0 to {MAX_SIZE} "
+                                 "bytes")
+        if self.local_buffer_size == 0:
+            raise ValueError("MooncakeConfig.local_buffer_size=0: the client needs a transfer "
+                             "buffer (upstream refuses 0 too)")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"MooncakeConfig.protocol={self.protocol!r}: expected tcp or rdma")
         if self.mode not in MODES:
@@ -82,10 +121,11 @@ class MooncakeConfig:
             raise ValueError(f"MooncakeConfig.global_segment_size={self.global_segment_size}: "
                              "mode 'standalone-store' mounts no segment (0); the "
                              "mooncake_client process holds the store's memory")
-        if not isinstance(self.master_server_address, str) or not re.fullmatch(
-                r"[^:\s]+:\d+", self.master_server_address):
+        address = re.fullmatch(r"([^:\s]+):(\d{1,5})", self.master_server_address)
+        if not address or not 1 <= int(address.group(2)) <= 65535:
             raise ValueError(f"MooncakeConfig.master_server_address="
-                             f"{self.master_server_address!r}: expected host:port")
+                             f"{self.master_server_address!r}: expected host:port with a port "
+                             "in 1..65535")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> MooncakeConfig:
@@ -93,15 +133,17 @@ class MooncakeConfig:
         ignored = {"enable_offload", "tenant_id"}
         known = {f.name for f in attrs.fields(cls)} | ignored
         for key in data:
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: field names must be strings, got {key!r}")
             if key not in known:
                 raise ValueError(f"{where}: unknown field {key!r}")
         if "master_server_address" not in data:
             raise ValueError(f"{where}: field 'master_server_address' missing")
         fields = {k: v for k, v in data.items() if k not in ignored}
-        for size in ("global_segment_size", "local_buffer_size"):
-            if size in fields:
-                fields[size] = parse_size(fields[size], size)
         try:
+            for size in ("global_segment_size", "local_buffer_size"):
+                if size in fields:
+                    fields[size] = parse_size(fields[size], size)
             return cls(**fields)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from None
@@ -112,12 +154,24 @@ class MooncakeConfig:
         if not path:
             raise ValueError("MOONCAKE_CONFIG_PATH is not set")
         try:
-            with open(path) as handle:
-                data = json.load(handle)
+            info = os.stat(path)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{path}: not a regular file (MOONCAKE_CONFIG_PATH must name "
+                                 "a JSON file)")
+            if info.st_size > CONFIG_FILE_LIMIT:
+                raise ValueError(f"{path}: {info.st_size} bytes; a Mooncake config is at most "
+                                 f"{CONFIG_FILE_LIMIT}")
+            with open(path, "rb") as handle:
+                raw = handle.read(CONFIG_FILE_LIMIT + 1)
+            data = json.loads(raw.decode("utf-8"))
         except OSError as exc:
             raise ValueError(f"{path}: cannot open ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 (byte {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object")
         return cls.from_dict(data, path)

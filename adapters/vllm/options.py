@@ -38,6 +38,17 @@ from kvstate.trace.destination import unwritable
 from kvstate.variants import VARIANTS, is_variant
 
 MONITOR_MODES = ("off", "log", "raise")
+# Bounds on what a user may configure, so that a typo is refused at start:
+# a store call shorter than a millisecond cannot succeed (a loopback round
+# trip is ~0.1 ms before any bytes move); an hour is the old upper bound.
+MIN_STORE_TIMEOUT = 0.001
+MAX_STORE_TIMEOUT = 3600.0
+# The replication factor divides the TP size, which a trace bounds at 1,024
+# ranks (`kvstate.trace.LIMITS`).
+MAX_PUT_STEP = 1024
+# The prefix starts every store key the connector writes: a namespace, not a
+# payload (Mooncake keys are meant to be short).
+MAX_CACHE_PREFIX = 256
 
 KNOWN_KVSTATE_FIELDS = (
     "kvstate_protocol", "kvstate_trace", "kvstate_trace_layer", "kvstate_monitor",
@@ -93,9 +104,17 @@ class ConnectorOptions:
     put_step: int | None = None
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
-        extra = dict(extra or {})
+    def from_extra_config(cls, extra: Any) -> ConnectorOptions:
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"kv_connector_extra_config={extra!r}: expected a JSON object "
+                             f"(field names to values), got {type(extra).__name__}")
+        extra = dict(extra)
         for field in extra:
+            if not isinstance(field, str):
+                raise ValueError(f"kv_connector_extra_config: field names must be strings, "
+                                 f"got {field!r}")
             if field.startswith("kvstate_") and field not in KNOWN_KVSTATE_FIELDS:
                 known = ", ".join(KNOWN_KVSTATE_FIELDS)
                 raise _bad(field, extra[field], f"unknown kvstate field (known: {known})")
@@ -126,15 +145,18 @@ class ConnectorOptions:
             raise _bad("kvstate_monitor", monitor, f"expected one of {', '.join(MONITOR_MODES)}")
         timeout = extra.get("kvstate_store_timeout", 5.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-                0 < timeout <= 3600):
-            raise _bad("kvstate_store_timeout", timeout, "expected seconds in (0, 3600]")
+                MIN_STORE_TIMEOUT <= timeout <= MAX_STORE_TIMEOUT):
+            raise _bad("kvstate_store_timeout", timeout,
+                       f"expected seconds in [{MIN_STORE_TIMEOUT}, {MAX_STORE_TIMEOUT}]")
         put_step = extra.get("kvstate_put_step")
         if put_step is not None and (isinstance(put_step, bool) or not isinstance(put_step, int)
-                                     or put_step < 1):
-            raise _bad("kvstate_put_step", put_step, "expected an integer >= 1")
+                                     or not 1 <= put_step <= MAX_PUT_STEP):
+            raise _bad("kvstate_put_step", put_step, f"expected an integer in 1..{MAX_PUT_STEP}")
         prefix = extra.get("cache_prefix", "")
-        if not isinstance(prefix, str) or "@" in prefix:
-            raise _bad("cache_prefix", prefix, "expected a string without '@'")
+        if not isinstance(prefix, str) or "@" in prefix or len(prefix) > MAX_CACHE_PREFIX:
+            raise _bad("cache_prefix", prefix if len(str(prefix)) <= 80 else
+                       f"{str(prefix)[:40]}... ({len(str(prefix))} characters)",
+                       f"expected a string without '@', at most {MAX_CACHE_PREFIX} characters")
         return cls(
             protocol=protocol,
             save_decode_cache=_flag(extra, "save_decode_cache", False),
