@@ -369,6 +369,9 @@ class Planner:
         # upstream numbers their jobs after the running requests' jobs.
         self._resume(sched.resumed, out)
         self._plan_loads(out)
+        # Scratch of this step only: a planner between steps holds no set of
+        # tuples (the model checker's digest needs none, and it is stale).
+        self._loading = _NOTHING_LOADING
         return out.plan(self._step)
 
     def _refuse_scheduled_preemptions(self, sched: SchedulerStep, out: _StepOutput) -> None:
