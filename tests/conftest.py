@@ -12,6 +12,7 @@ here to every test that uses the real store), ``vllm``.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,21 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
 MOONCAKE_FIXTURES = {"mooncake_master", "mooncake_store"}
+
+
+def _json_values() -> Any:
+    """Any JSON value a user could write (Hypothesis), for the config parsers' tests."""
+    from hypothesis import strategies as st
+
+    return st.recursive(
+        st.none() | st.booleans() | st.integers(min_value=-(10**30), max_value=10**30)
+        | st.floats(allow_nan=False) | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                    max_size=3),
+        max_leaves=8)
+
+
+json_values = _json_values()
 
 
 # Test modules marked slow as a whole (their ``pytestmark``). The default
