@@ -234,7 +234,9 @@ def _apply(engine: _EngineReplay, obs: Any, absent: frozenset[str] = frozenset()
         engine.step = None
         _same("Planned", obs.plan, _unrecorded(obs.plan, plan, absent))
         for executor in engine.executors:
-            engine.loads[executor.rank] = executor.receive(plan)
+            # An asynchronous load lands steps later: loads wait for their
+            # LoadDone across plans (a synchronous one lands in this step).
+            engine.loads.setdefault(executor.rank, []).extend(executor.receive(plan))
         return 1
     elif isinstance(obs, ReportDelivered):
         if not engine.outbox:

@@ -122,18 +122,24 @@ def test_outputs_with_the_connector_equal_the_outputs_without_it(filled) -> None
     assert_trace_checks_and_replays(first["trace"])
 
 
-def test_a_second_engine_finds_everything_the_first_stored_and_outputs_equal(filled) -> None:
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_a_second_engine_finds_everything_the_first_stored_and_outputs_equal(
+        filled, load_async) -> None:
     """A fresh process on the same store: every whole prompt block is a hit (no
     holes: nothing the first engine stored left with it), the blocks are
     loaded, and the tokens they produce are the tokens computing them gave."""
     deployment, baseline, _ = filled
-    second = deployment.run("second", [WAVE])
+    second = deployment.run(f"second-{'async' if load_async else 'sync'}", [WAVE],
+                            extra={"kvstate_load_async": load_async})
     assert outputs(second) == outputs(baseline)
-    # The first request loads every whole block; the others find the shared
-    # prefix in vLLM's own cache and load only their own last whole block.
     assert second["scheduler_totals"]["lookup_hit_tokens"] == sum(
         full_blocks(len(p)) for p in PROMPTS)
-    assert second["worker_totals"]["keys_loaded"] == 7 + 4
+    # Synchronous: the first request loads every whole block; the others find
+    # the shared prefix in vLLM's own cache and load only their own last
+    # whole block. Asynchronous: vLLM caches a loading request's blocks only
+    # once the load landed, so each of the four loads its eight (upstream's
+    # connector, asynchronous too, does the same).
+    assert second["worker_totals"]["keys_loaded"] == (4 * 8 if load_async else 7 + 4)
     assert second["worker_totals"]["load_failures"] == 0
     assert second["worker_totals"]["keys_put"] == 0  # everything was there
     assert_drained(second)
@@ -160,62 +166,108 @@ def test_upstream_connector_serves_what_kvstate_stored(filled) -> None:
     assert sum(upstream["external_tokens"].values()) == sum(full_blocks(len(p)) for p in PROMPTS)
 
 
+LOADS = pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+
+
+@LOADS
 @pytest.mark.parametrize("position", [0, 3, 7], ids=["first", "middle", "last"])
-def test_a_load_failing_at_any_block_is_recomputed_and_outputs_equal(filled, position) -> None:
+def test_a_load_failing_at_any_block_is_recomputed_and_outputs_equal(filled, position,
+                                                                     load_async) -> None:
     """The store answers -704 (gone since the lookup) for one block of every
     load and leaves that block's stale bytes in place: vLLM's recompute
     policy rewinds each request to its first failed block, the connector
     follows the rewind (its saves used to run ahead of the computed tokens:
-    S7, the engine stopped by the monitor), and outputs equal."""
+    S7, the engine stopped by the monitor), and outputs equal. Asynchronous:
+    the request waits for its load; when the first block failed vLLM frees
+    the blocks and schedules it afresh, and the connector does not look the
+    store up for it again."""
     deployment, baseline, _ = filled
-    failing = deployment.run(f"fail{position}", [WAVE], fail_loads=[position],
-                             load_failure_policy="recompute")
+    failing = deployment.run(f"fail{position}-{load_async}", [WAVE], fail_loads=[position],
+                             load_failure_policy="recompute",
+                             extra={"kvstate_load_async": load_async})
     assert failing["worker_totals"]["load_failures"] > 0
+    assert outputs(failing) == outputs(baseline)
+    assert_drained(failing)
+    assert_trace_checks_and_replays(failing["trace"])
+    if load_async:
+        assert failing["scheduler_totals"]["lookups"] == len(WAVE.requests)
+        assert failing["scheduler_totals"]["loads_failed"] == len(WAVE.requests)
+
+
+def test_a_store_that_says_present_but_never_serves_costs_one_load_a_request(filled) -> None:
+    """Every get fails while the master keeps saying "present" (a broken data
+    plane): each request looks up once, loads once, fails, and computes —
+    the outputs equal, nothing pinned."""
+    deployment, baseline, _ = filled
+    failing = deployment.run("fail-every-get", [WAVE], fail_loads=list(range(16)))
+    assert failing["worker_totals"]["keys_loaded"] == 0
+    assert failing["worker_totals"]["load_failures"] == 4 * 8
+    assert failing["scheduler_totals"]["lookups"] == len(WAVE.requests)
+    assert failing["scheduler_totals"]["lookups_skipped_after_failed_load"] == len(WAVE.requests)
     assert outputs(failing) == outputs(baseline)
     assert_drained(failing)
     assert_trace_checks_and_replays(failing["trace"])
 
 
-def test_with_policy_fail_a_failed_load_ends_its_requests_with_an_error(filled) -> None:
-    """``kv_load_failure_policy=fail``: the requests that read the failed
-    block (all four share it through vLLM's prefix cache) end with an error,
-    the engine serves on and drains with nothing pinned."""
+@LOADS
+def test_with_policy_fail_a_failed_load_ends_its_requests_with_an_error(filled,
+                                                                        load_async) -> None:
+    """``kv_load_failure_policy=fail``: the requests whose load failed end
+    with an error (synchronous: all four share the failed block through
+    vLLM's prefix cache; asynchronous: each loads its own), the engine serves
+    on and drains with nothing pinned."""
     deployment, _, _ = filled
-    failing = deployment.run("fail-policy", [WAVE], fail_loads=[3], load_failure_policy="fail")
+    failing = deployment.run(f"fail-policy-{load_async}", [WAVE], fail_loads=[3],
+                             load_failure_policy="fail",
+                             extra={"kvstate_load_async": load_async})
     reasons = failing["waves"][0]["finish_reasons"]
     assert reasons == {f"r{b}": ["error"] for b in range(4)}
     assert_drained(failing)
     assert_trace_checks_and_replays(failing["trace"])
 
 
-@pytest.mark.parametrize("protocol", ["kvstate", "e2"])
-def test_kv_computed_over_a_failed_load_is_never_stored(tmp_path, model, protocol) -> None:
+@pytest.mark.parametrize(("protocol", "load_async"),
+                         [("kvstate", False), ("e2", False), ("e2", True)],
+                         ids=["kvstate-sync", "e2-sync", "e2-async"])
+def test_kv_computed_over_a_failed_load_is_never_stored(tmp_path, model, protocol,
+                                                        load_async) -> None:
     """Request ``n`` shares the prefix ``r0`` loads in the same step (vLLM's
     prefix cache hands out the blocks as soon as they are allocated) and
     computes its own three blocks over them; ``r0``'s load fails at block 3,
     whose stale bytes ``n`` reads. Saving ``n``'s blocks in that step stores
     wrong KV under valid keys: a later engine loads them and generates other
     tokens. kvstate defers those saves until the step's loads reported;
-    upstream's bookkeeping (``e2``) saves at once and poisons the store."""
+    upstream's bookkeeping (``e2``) saves at once and poisons the store.
+
+    ``settle_saves``: the step's puts finish before the next forward pass.
+    vLLM rewinds ``n`` too and recomputes its blocks in place, so without it
+    e2's puts read either the poisoned or the recomputed bytes, whichever
+    the send thread reached first (a CI run on a loaded machine got the
+    recomputed ones). On a GPU the forward is asynchronous and the send
+    thread usually wins: the order the hazard needs.
+
+    The hazard is the synchronous loads': vLLM caches the blocks of an
+    asynchronous load only once it landed, so ``n`` loads its own copy
+    (failing at block 3 as well, recomputed) and even e2 stores right KV."""
     deployment = start_deployment(tmp_path, model)
     own = prompt(100, 77)
     check = Wave([EngineRequest("n", SHARED + own, 16)])
     try:
         baseline = deployment.run("baseline", [check], connector=None)
-        extra = {"kvstate_protocol": protocol}
+        extra = {"kvstate_protocol": protocol, "kvstate_load_async": load_async}
         deployment.run("fill", [Wave([EngineRequest("r0", PROMPTS[0], 8)])], extra=extra)
         reader = deployment.run("reader", [Wave([EngineRequest("r0", PROMPTS[0], 8),
                                                  EngineRequest("n", SHARED + own, 8)])],
-                                fail_loads=[3], extra=extra,
+                                fail_loads=[3], settle_saves=True, extra=extra,
                                 monitor="raise" if protocol == "kvstate" else "log")
         later = deployment.run("later", [check], extra=extra,
                                monitor="raise" if protocol == "kvstate" else "log")
     finally:
         deployment.close()
-    assert reader["worker_totals"]["load_failures"] == 1
+    assert reader["worker_totals"]["load_failures"] == (2 if load_async else 1)
     assert reader["worker_totals"]["keys_put"] == 3  # n's own blocks, stored either way
     assert later["worker_totals"]["keys_loaded"] == 10
-    if protocol == "kvstate":
+    if protocol == "kvstate" or load_async:
         assert outputs(later) == outputs(baseline)
         assert_trace_checks_and_replays(reader["trace"])
     else:

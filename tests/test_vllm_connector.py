@@ -10,6 +10,7 @@ monitor raising on any invariant, writes a trace, and that trace must pass
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import attrs
@@ -118,6 +119,21 @@ def settled(rig: Rig) -> None:
         assert not worker.worker.executor.queue and len(worker.worker.executor.ledger) == 0
 
 
+def admitted(rig: Rig, req_id: str, timeout: float = 10.0):
+    """Step until ``req_id`` is scheduled; return its new-request data.
+    An asynchronous load parks it first (vLLM's ``WAITING_FOR_REMOTE_KVS``):
+    it is scheduled in a step after the receive thread landed the load and
+    ``get_finished`` named it. A synchronous load schedules it at once."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        so = rig.step()
+        for new in so.scheduled_new_reqs:
+            if new.req_id == req_id:
+                return new
+        time.sleep(0.002)
+    raise AssertionError(f"{req_id!r} was not scheduled within {timeout} s")
+
+
 def loaded_blocks_hold(rig: Rig, req_id: str, tokens: list[int], hit: int) -> int:
     """Check every rank's copy of the blocks a request loaded; return how many."""
     (table,) = rig.scheduler.kv_cache_manager.get_block_ids(req_id)
@@ -128,8 +144,9 @@ def loaded_blocks_hold(rig: Rig, req_id: str, tokens: list[int], hit: int) -> in
     return hit // BS
 
 
-def test_round_trip_a_second_engine_loads_what_the_first_stored(engines) -> None:
-    e = engines(save_decode_cache=False)
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
+def test_round_trip_a_second_engine_loads_what_the_first_stored(engines, load_async) -> None:
+    e = engines(save_decode_cache=False, kvstate_load_async=load_async)
     first = e.engine()
     shared = prompt(64, salt=1)
     first.add("a", shared + prompt(7, salt=2), max_tokens=3)
@@ -143,8 +160,12 @@ def test_round_trip_a_second_engine_loads_what_the_first_stored(engines) -> None
     second = e.engine()
     tokens = shared + prompt(5, salt=3)
     second.add("b", tokens, max_tokens=2)
-    so = second.step()
-    (new,) = so.scheduled_new_reqs
+    parked = second.step()
+    if load_async:
+        assert not parked.scheduled_new_reqs  # waits in WAITING_FOR_REMOTE_KVS
+        new = admitted(second, "b")
+    else:
+        (new,) = parked.scheduled_new_reqs
     assert new.num_computed_tokens == 64  # four blocks from the store
     assert loaded_blocks_hold(second, "b", tokens, 64) == 4
     second.run()
@@ -173,8 +194,7 @@ def test_decode_phase_kv_is_saved_and_served(engines) -> None:
 
     second = e.engine()
     second.add("b", full[:48] + [7, 7, 7], max_tokens=3)
-    so = second.step()
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 48  # decode-phase blocks hit
+    assert admitted(second, "b").num_computed_tokens == 48  # decode-phase blocks hit
     assert loaded_blocks_hold(second, "b", full[:48] + [7, 7, 7], 48) == 3
     second.run()
     e.close()
@@ -245,8 +265,7 @@ def test_two_ranks_store_and_load_their_own_shards(engines, put_step) -> None:
     second = e.engine(tp=2, put_step=put_step)
     tokens = shared + [4, 5]
     second.add("b", tokens, max_tokens=3)
-    so = second.step()
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 64
+    assert admitted(second, "b").num_computed_tokens == 64
     loaded_blocks_hold(second, "b", tokens, 64)
     second.run()
     e.close()
@@ -327,6 +346,157 @@ def test_a_store_answer_short_of_its_keys_fails_the_job_not_the_send_thread(engi
     assert "a store call of job 1 failed: RuntimeError: the store gave 1 answers for 2 keys" \
         in caplog.text, caplog.text
     settled(rig)
+    e.close()
+
+
+# ---------------------------------------------------------------------------
+# The load path (asynchronous loads, the default) on vLLM 0.33.0's Scheduler:
+# its recovery (``_handle_invalid_blocks``, ``_update_waiting_for_remote_kv``,
+# the delayed free of an aborted request's blocks) is vLLM's own code here.
+
+OBJECT_NOT_FOUND = -704
+
+
+def failing_gets(rig: Rig, chunks) -> dict[str, int]:
+    """Every rank's reads of the chunks ``chunks`` (a load from chunk 0)
+    answer -704 and leave the block zeroed; returns a count of failed reads."""
+    import ctypes
+
+    failed = {"reads": 0}
+    for worker in rig.workers:
+        store = worker.worker.store
+        real_get = store.get
+
+        def get(keys, ptrs, sizes, real_get=real_get):
+            got = list(real_get(keys, ptrs, sizes))
+            for i, (buffers, lengths) in enumerate(zip(ptrs, sizes)):
+                if chunks is all or i in chunks:
+                    for ptr, length in zip(buffers, lengths):
+                        ctypes.memset(ptr, 0, length)
+                    got[i] = OBJECT_NOT_FOUND
+                    failed["reads"] += 1
+            return got
+
+        store.get = get
+    return failed
+
+
+def stored_prefix(e: Engines, shared: list[int]) -> None:
+    first = e.engine()
+    first.add("a", shared + [1, 2, 3], max_tokens=2)
+    first.run()
+    first.drain()
+    first.run()
+    settled(first)
+    assert first.totals()["keys_put"] == len(shared) // BS
+
+
+@pytest.mark.parametrize("position", [0, 2, 3], ids=["first", "middle", "last"])
+def test_an_async_load_failing_at_a_block_resumes_from_it(engines, position) -> None:
+    """The get of one chunk answers -704 (gone since the lookup): vLLM
+    truncates the request to that block, caches the valid prefix, and
+    schedules it from there; the failed block is never served as loaded.
+    When the first block failed vLLM frees the blocks and schedules the
+    request afresh: the connector asks the store nothing again (it lost no
+    hit) instead of loading the same failing key forever."""
+    e = engines(save_decode_cache=False)
+    shared = prompt(64, salt=60)
+    stored_prefix(e, shared)
+    second = e.engine()
+    failing_gets(second, {position})
+    tokens = shared + [4, 5]
+    second.add("b", tokens, max_tokens=3)
+    new = admitted(second, "b")
+    assert new.num_computed_tokens == position * BS
+    if position:
+        loaded_blocks_hold(second, "b", tokens, position * BS)
+    second.run()
+    assert second.invalid_block_ids
+    totals = second.totals()
+    assert totals["lookups"] == 1 and totals["loads_failed"] == 1
+    assert totals["lookups_skipped_after_failed_load"] == (1 if position == 0 else 0)
+    assert "b" in second.finished
+    second.drain()
+    settled(second)
+    e.close()
+
+
+def test_a_store_that_says_present_but_never_serves_costs_one_load(engines) -> None:
+    """The master keeps answering "present" while every get fails (a broken
+    data plane): each request loads once, fails, and computes — a bounded
+    number of lookups and loads, then progress."""
+    e = engines(save_decode_cache=False)
+    shared = prompt(64, salt=61)
+    stored_prefix(e, shared)
+    second = e.engine()
+    failed = failing_gets(second, all)
+    for i in range(3):
+        second.add(f"b{i}", shared + [4, 5, i], max_tokens=3)
+    second.run()
+    assert sorted(second.finished) == ["b0", "b1", "b2"]
+    totals = second.totals()
+    assert totals["lookups"] == 3 and totals["loads_failed"] == 3
+    assert failed["reads"] == 3 * 4
+    second.drain()
+    settled(second)
+    e.close()
+
+
+def test_with_policy_fail_a_failed_async_load_ends_the_request(engines) -> None:
+    from vllm.v1.request import RequestStatus
+
+    e = engines(save_decode_cache=False)
+    shared = prompt(64, salt=62)
+    stored_prefix(e, shared)
+    second = e.engine(kv_load_failure_policy="fail")
+    failing_gets(second, {1})
+    second.add("b", shared + [4, 5], max_tokens=3)
+    second.run()
+    assert second.requests["b"].status == RequestStatus.FINISHED_ERROR
+    settled(second)
+    e.close()
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_frees_its_blocks_once_it_lands(
+        engines) -> None:
+    """vLLM keeps an aborted request's blocks while its load may still write
+    them (``finish_requests``: delayed free for ``WAITING_FOR_REMOTE_KVS``)
+    and frees them when ``get_finished`` names it: the receive thread must
+    land every load, an abandoned one included, or the blocks leak."""
+    import threading
+
+    e = engines(save_decode_cache=False)
+    shared = prompt(64, salt=63)
+    stored_prefix(e, shared)
+    second = e.engine()
+    store = second.workers[0].worker.store
+    real_get = store.get
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_get(keys, ptrs, sizes):
+        entered.set()
+        release.wait(10)
+        return real_get(keys, ptrs, sizes)
+
+    store.get = slow_get
+    second.add("b", shared + [4, 5], max_tokens=3)
+    second.step()
+    assert entered.wait(10)
+    (table,) = second.scheduler.kv_cache_manager.get_block_ids("b")
+    second.abort("b")
+    for _ in range(3):
+        second.step()
+    pool = second.scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].ref_cnt > 0 for b in table)  # the load may still write them
+    release.set()
+    # Nothing is waiting or running: vLLM would step on only for other
+    # requests. Step until the landed load is reported and the blocks free.
+    deadline = time.monotonic() + 10
+    while any(pool.blocks[b].ref_cnt for b in table) and time.monotonic() < deadline:
+        second.step()
+        time.sleep(0.002)
+    assert second.totals()["keys_loaded"] == 4
+    settled(second)  # every block free again
     e.close()
 
 

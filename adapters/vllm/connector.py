@@ -136,14 +136,16 @@ class KvstateConnector(KVConnectorBase_V1):
                                   monitor=self.options.monitor, header=self._trace_header,
                                   layer=self.options.trace_layer)
             self.scheduler = SchedulerSide(self.kv_config, self.variant,
-                                           lookup_store=lookup_store, log=self._log)
+                                           lookup_store=lookup_store, log=self._log,
+                                           load_async=self.options.load_async)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             record = self.options.trace is not None or self.options.monitor != "off"
             store = self._open(MooncakeConfig.from_env())
             self.worker = WorkerSide(self.kv_config, get_tensor_model_parallel_rank(),
-                                     self.variant, store, record=record)
+                                     self.variant, store, record=record,
+                                     load_async=self.options.load_async)
 
     def _open(self, config: MooncakeConfig) -> MooncakeStore:
         store = MooncakeStore(config, timeout=self.options.store_timeout)
@@ -241,7 +243,11 @@ class KvstateConnector(KVConnectorBase_V1):
         return meta.plan
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._work().load(self._plan())
+        worker = self._work()
+        if worker.load_async:
+            worker.queue_loads(self._plan())
+        else:
+            worker.load(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -254,7 +260,14 @@ class KvstateConnector(KVConnectorBase_V1):
         self._work().take_plan(self._plan())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        # Nothing is ever sent after a request finished (pins hold what a
+        # save still reads); received: the requests whose loads all landed.
+        # Their failed blocks go out in this same pass, through
+        # get_block_ids_with_load_errors (vLLM's contract: no later than it).
+        worker = self._work()
+        if not worker.load_async:
+            return None, None
+        return None, worker.take_landed_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

@@ -157,6 +157,10 @@ class EngineSpec:
     # with -704 (OBJECT_NOT_FOUND: evicted or expired between lookup and get).
     fail_loads: list[int] = attrs.field(factory=list)
     time_connector: bool = False  # seconds inside each connector method (benchmarks)
+    # Each step's saves finish before the next forward pass: the send thread
+    # outruns the model, as on a GPU whose forward is launched asynchronously.
+    # Without it which comes first is a race on a loaded CPU (see `_settle_saves`).
+    settle_saves: bool = False
     drain_timeout: float = 60.0
 
     def __attrs_post_init__(self) -> None:
@@ -204,18 +208,17 @@ def _corrupt_loads() -> None:
     reads wrong KV where it believes the store's is (the negative control)."""
     from adapters.vllm import worker_side
 
-    real = worker_side.WorkerSide.load
+    real = worker_side.WorkerSide._read
 
-    def load(self: Any, plan: Any) -> None:
-        real(self, plan)
-        if self.layout is None:
-            return
-        for meta in plan.loads:
-            for block in self.executor.load_call(meta).block_ids:
+    def read(self: Any, call: Any) -> Any:
+        outcome = real(self, call)
+        if self.layout is not None:
+            for block in call.block_ids:
                 for tensor in self.layout.tensors:
                     tensor[block].zero_()
+        return outcome
 
-    worker_side.WorkerSide.load = load  # type: ignore[method-assign]
+    worker_side.WorkerSide._read = read  # type: ignore[method-assign]
 
 
 OBJECT_NOT_FOUND = -704  # Mooncake's code for a key gone between lookup and get
@@ -223,19 +226,25 @@ OBJECT_NOT_FOUND = -704  # Mooncake's code for a key gone between lookup and get
 
 def _fail_loads(positions: frozenset[int]) -> None:
     """Make the store answer -704 for the reads of chunks at ``positions``
-    (kvstate's loads): the engine's recovery (``kv_load_failure_policy``)
-    must then take over."""
+    (kvstate's loads, synchronous or asynchronous): the engine's recovery
+    (``kv_load_failure_policy``) must then take over."""
     from adapters.vllm import worker_side
+    from kvstate.executor import Executor
 
-    real = worker_side.WorkerSide.load
+    real = worker_side.WorkerSide._read
+    real_call = Executor.load_call
+    first_chunk: dict[Any, int] = {}  # a load's store reads -> its first chunk
 
-    def load(self: Any, plan: Any) -> None:
-        poisoned = set()
-        for meta in plan.loads:
-            first = meta.start_token // self.config.block_size
-            for i, key in enumerate(self.executor.load_call(meta).keys):
-                if first + i in positions:  # one group: the i-th key is chunk first + i
-                    poisoned.add(key)
+    def load_call(self: Any, load: Any) -> Any:
+        call = real_call(self, load)
+        first_chunk[call] = load.start_token // self.config.block_size
+        return call
+
+    def read(self: Any, call: Any) -> Any:
+        # A load's reads are the chunks of its blocks in order: the i-th key
+        # of a one-group load is chunk ``first + i``.
+        first = first_chunk.pop(call, 0)
+        poisoned = {key for i, key in enumerate(call.keys) if first + i in positions}
         store = self.store
         real_get = store.get
 
@@ -252,11 +261,37 @@ def _fail_loads(positions: frozenset[int]) -> None:
 
         store.get = get
         try:
-            real(self, plan)
+            return real(self, call)
         finally:
             del store.get
 
-    worker_side.WorkerSide.load = load  # type: ignore[method-assign]
+    Executor.load_call = load_call  # type: ignore[method-assign]
+    worker_side.WorkerSide._read = read  # type: ignore[method-assign]
+
+
+def _settle_saves(timeout: float) -> None:
+    """Make ``wait_for_save`` return only when the rank's send thread has
+    performed every job it queued: a put then reads the blocks before the
+    next forward pass can write them again (a rewound request recomputes into
+    the same blocks). Tests that need the stored bytes to be those of the
+    step that saved them use it; the order is otherwise a race."""
+    from adapters.vllm import worker_side
+
+    real = worker_side.WorkerSide.take_plan
+
+    def take_plan(self: Any, plan: Any) -> None:
+        real(self, plan)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if not self.executor.queue and self.in_flight is None:
+                    return
+            if time.monotonic() > deadline:
+                raise EngineFailed(f"settle_saves: rank {self.rank}'s saves of step "
+                                   f"{plan.step} did not finish in {timeout} s")
+            time.sleep(0.001)
+
+    worker_side.WorkerSide.take_plan = take_plan  # type: ignore[method-assign]
 
 
 def _core(llm: Any) -> Any:
@@ -270,6 +305,8 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         _corrupt_loads()
     if spec.fail_loads:
         _fail_loads(frozenset(spec.fail_loads))
+    if spec.settle_saves:
+        _settle_saves(spec.drain_timeout)
     if not spec.multiprocess:
         _count_preemptions()
     import vllm

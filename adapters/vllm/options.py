@@ -15,7 +15,11 @@ fields, all prefixed ``kvstate_``:
   online, inside the engine;
 - ``kvstate_store_timeout``: seconds one store call may take (upstream has no
   bound: S6);
-- ``kvstate_put_step``: override the derived replication factor.
+- ``kvstate_put_step``: override the derived replication factor;
+- ``kvstate_load_async``: ``true`` (default) loads in a receive thread while
+  the engine runs other requests (the request waits in vLLM's
+  ``WAITING_FOR_REMOTE_KVS``), as upstream's connector does; ``false`` makes
+  the forward pass wait for the store (synchronous loads).
 
 Unknown ``kvstate_*`` fields are refused (a typo must not silently turn a
 monitor off), and so is any field that reads as one of the connector's own
@@ -52,7 +56,7 @@ MAX_CACHE_PREFIX = 256
 
 KNOWN_KVSTATE_FIELDS = (
     "kvstate_protocol", "kvstate_trace", "kvstate_trace_layer", "kvstate_monitor",
-    "kvstate_store_timeout", "kvstate_put_step",
+    "kvstate_store_timeout", "kvstate_put_step", "kvstate_load_async",
 )
 TRACE_LAYERS = ("annotated", "observed")
 # Upstream MooncakeStoreConnector's names this connector reads too.
@@ -102,6 +106,7 @@ class ConnectorOptions:
     monitor: str = "off"
     store_timeout: float = 5.0
     put_step: int | None = None
+    load_async: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> ConnectorOptions:
@@ -167,6 +172,7 @@ class ConnectorOptions:
             monitor=monitor,
             store_timeout=float(timeout),
             put_step=put_step,
+            load_async=_flag(extra, "kvstate_load_async", True),
         )
 
 

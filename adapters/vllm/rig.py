@@ -120,7 +120,8 @@ def make_vllm_config(model_dir: str, *, connector: str = "KvstateConnector",
                      extra: dict[str, Any] | None = None, block_size: int = 16,
                      num_blocks: int = 64, tp: int = 1, kv_events: bool = False,
                      max_num_batched_tokens: int = 256, max_model_len: int = 4096,
-                     max_num_seqs: int = 16) -> VllmConfig:
+                     max_num_seqs: int = 16, kv_load_failure_policy: str = "recompute",
+                     ) -> VllmConfig:
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32")
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
@@ -130,7 +131,8 @@ def make_vllm_config(model_dir: str, *, connector: str = "KvstateConnector",
     transfer = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
                                 kv_role=role,  # type: ignore[arg-type]  # vLLM checks it
                                 kv_connector_extra_config=dict(extra or {}),
-                                kv_load_failure_policy="recompute")
+                                kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
+                                )
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
     config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache,
                         device_config=DeviceConfig("cpu"), kv_transfer_config=transfer,

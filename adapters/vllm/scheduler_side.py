@@ -27,6 +27,16 @@ planner's inputs and applies its outputs to the engine:
 - Lookups run here, against the store, with the scheduler's own small
   Mooncake client: every rank namespace must hold every chunk (S20). A
   resumed request recomputes instead of loading (a documented limit).
+- Loads are asynchronous by default (``kvstate_load_async``): vLLM parks the
+  request in ``WAITING_FOR_REMOTE_KVS`` until every rank reported the load
+  through ``get_finished``, and caches its blocks only then, so no other
+  request reads a block a load is still filling. A load that failed is
+  never tried again for the same request: vLLM keeps the valid prefix (or,
+  when the first block failed, frees the blocks and schedules the request
+  afresh) and the request computes the rest. The retry asks the store
+  nothing, which loses no hit (whatever lay before the failed block is in
+  the blocks vLLM kept), and bounds a request whose every get fails — the
+  master still saying "present" — to one load (`failed_loads`).
 
 Store keys use the engine's own block hashes (``Request.block_hashes``,
 vLLM's sha256 chain) in upstream's key format, so a store either connector
@@ -74,8 +84,9 @@ def _table(block_ids: Any, groups: int) -> BlockTable:
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, variant: Variant, *, lookup_store: Any,
-                 log: EngineLog) -> None:
+                 log: EngineLog, load_async: bool = False) -> None:
         self.config = config
+        self.load_async = load_async
         self.planner = Planner(config, variant)
         self.groups = len(config.groups)
         self.store = lookup_store
@@ -86,10 +97,14 @@ class SchedulerSide:
         self.finishing: set[str] = set()  # finished, not yet told to the planner
         self.hits: dict[str, int] = {}  # a lookup's answer until the request is allocated
         self.local_hits: dict[str, int] = {}  # tokens vLLM's own prefix cache provided
+        # Requests (by id, with the Request object: an id reused later is
+        # another request) whose load failed: they get no lookup again.
+        self.failed_loads: dict[str, Any] = {}
         self.events: list[Any] = []
         self.pins_held = 0
         self.totals: dict[str, int] = {}  # counters summed over every stats() call
         self.counters = {"lookups": 0, "lookup_hit_tokens": 0, "lookup_errors": 0,
+                         "loads_failed": 0, "lookups_skipped_after_failed_load": 0,
                          "jobs_emitted": 0, "jobs_released": 0, "events_published": 0,
                          "events_dropped": 0}
 
@@ -111,12 +126,19 @@ class SchedulerSide:
         tracker = self.planner.trackers.get(req_id)
         if tracker is not None and tracker.state is RequestState.PREEMPTED:
             return 0, False  # a resumption recomputes (see the module docstring)
+        if self.failed_loads.get(req_id) is request:
+            # Rescheduled after its load failed: computes (the module docstring).
+            self.counters["lookups_skipped_after_failed_load"] += 1
+            return 0, False
         hit = self.hits.get(req_id)
         if hit is None:
             hit = self._lookup(request)
         need = hit - num_computed_tokens
-        # Synchronous loads: vLLM loads before the forward pass that reads them.
-        return (need, False) if need > 0 else (0, False)
+        if need <= 0:
+            return 0, False
+        # Asynchronous: vLLM parks the request until get_finished reports the
+        # load. Synchronous: vLLM loads before the forward pass that reads them.
+        return need, self.load_async
 
     def _lookup(self, request: Any) -> int:
         req_id = request.request_id
@@ -149,12 +171,22 @@ class SchedulerSide:
         tracker = self.planner.trackers.get(req_id)
         if tracker is not None and tracker.state is RequestState.PREEMPTED:
             return  # the step's resumption record starts the new generation
-        table = _table(blocks.get_block_ids(), self.groups)
         local = self.local_hits.pop(req_id, 0)
-        self.planner.allocate(req_id, table, local, num_external_tokens, False)
+        if (tracker is not None and tracker.state is RequestState.ALLOCATED
+                and num_external_tokens == 0):
+            # After an asynchronous load vLLM allocates once more before it
+            # schedules the request (no external tokens: the loaded blocks
+            # are its computed ones), or, when the load's first block failed,
+            # allocates afresh after freeing the blocks. Either way the same
+            # generation, not admitted yet: the step's new-request record
+            # brings the block table.
+            return
+        table = _table(blocks.get_block_ids(), self.groups)
+        load_async = self.load_async and num_external_tokens > 0
+        self.planner.allocate(req_id, table, local, num_external_tokens, load_async)
         if self.log.active:
             self.log.scheduling(self.step + 1, Allocated(
-                req_id, table, local, num_external_tokens, False))
+                req_id, table, local, num_external_tokens, load_async))
 
     def finished(self, req_id: str) -> None:
         """``request_finished``: vLLM tells the planner at its next
@@ -191,6 +223,7 @@ class SchedulerSide:
             self.sent_hashes.pop(req_id, None)
             self.hits.pop(req_id, None)
             self.local_hits.pop(req_id, None)
+            self.failed_loads.pop(req_id, None)
         return plan
 
     def _scheduler_step(self, so: Any) -> SchedulerStep:
@@ -250,7 +283,12 @@ class SchedulerSide:
         if log.active:
             log.ranks(observations)
         if load_reports:
-            self.planner.on_load_reports(load_reports)
+            for result in self.planner.on_load_reports(load_reports):
+                if result.failed_block_ids:
+                    self.counters["loads_failed"] += 1
+                    request = self.requests.get(result.req_id)
+                    if request is not None:
+                        self.failed_loads[result.req_id] = request
         if reports:
             settlement = self.planner.on_reports(reports)
             pool = self.pool

@@ -8,11 +8,16 @@ step, in this order (vLLM 0.33.0): ``bind_connector_metadata``,
 loads, after its launch otherwise), ``wait_for_save``, ``get_finished``,
 ``get_block_ids_with_load_errors``, ``build_connector_worker_meta``.
 
-- ``start_load_kv`` performs the step's loads (the plan's ``LoadMeta``s) at
-  once, as blocking reads into the blocks vLLM allocated; a key that reads
-  short or fails is reported by ``get_block_ids_with_load_errors`` so the
-  engine recomputes it (S19). kvstate asks vLLM for synchronous loads, so the
-  forward pass never reads a block the store has not filled yet.
+- ``start_load_kv`` hands the step's loads (the plan's ``LoadMeta``s) to
+  the receive thread (asynchronous loads, the default): it reads each into
+  the blocks vLLM allocated while the engine runs other requests; the
+  request waits in vLLM's ``WAITING_FOR_REMOTE_KVS``, its blocks uncached,
+  until ``get_finished`` names it. A load is announced once all its reads
+  returned, and its failed blocks (a key that read short or failed) go out
+  through ``get_block_ids_with_load_errors`` in that same pass, so the engine
+  recomputes them (S19) before anything reads them. With
+  ``kvstate_load_async=false`` the loads are blocking reads instead, done
+  before the forward pass that reads them.
 - ``wait_for_save`` hands the plan to the executor *after* the forward pass
   wrote this step's KV: generations end, ledger entries are registered, jobs
   are queued (S5: ledger first). Only then can the send thread read the
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from typing import Any
 
 import attrs
@@ -126,8 +132,9 @@ class KVLayout:
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, variant: Variant, store: Any,
-                 *, record: bool) -> None:
+                 *, record: bool, load_async: bool = False) -> None:
         self.config = config
+        self.load_async = load_async
         self.rank = rank
         self.store = store
         self.lock = threading.Lock()
@@ -151,6 +158,14 @@ class WorkerSide:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._registered: list[int] = []
+        # Asynchronous loads: queued for the receive thread (with the step of
+        # the plan that asked), the loads each request still waits for, and
+        # loads that landed and were not announced yet (`take_landed_loads`).
+        self._to_receive: deque[tuple[int, Any]] = deque()
+        self._receiving: dict[str, int] = {}
+        self._landed: list[tuple[int, Any, tuple[int, ...], LoadReport, int, int]] = []
+        self._receive = threading.Event()
+        self._receiver: threading.Thread | None = None
 
     def _clock(self) -> float:
         return float(self.plan_step)
@@ -172,13 +187,19 @@ class WorkerSide:
         self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"kvstate-send-rank{self.rank}")
         self._thread.start()
+        if self.load_async:
+            self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
+                                              name=f"kvstate-receive-rank{self.rank}")
+            self._receiver.start()
 
     def close(self) -> None:
         with self.lock:
             self._stopping = True
             self._work.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.store.timeout + 1)
+            self._receive.set()
+        for thread in (self._thread, self._receiver):
+            if thread is not None:
+                thread.join(timeout=self.store.timeout + 1)
         for ptr in self._registered:
             try:
                 self.store.unregister(ptr)
@@ -191,33 +212,98 @@ class WorkerSide:
 
     def load(self, plan: Plan) -> None:
         """Perform the plan's loads now (before the forward pass reads them)."""
-        layout = self.layout
         for load in plan.loads:
             with self.lock:
                 call = self.executor.load_call(load)
-            ptrs, sizes = [], []
-            for block in call.block_ids:
-                p, s = layout.buffers(block) if layout is not None else ([], [])
-                ptrs.append(p)
-                sizes.append(s)
-            try:
-                got = self.store.get(list(call.keys), ptrs, sizes) if call.keys else []
-            except Exception as exc:  # noqa: BLE001 - a failed read is a load error
-                logger.warning("kvstate rank %d: load of %s failed: %s", self.rank,
-                               call.req_id, exc)
-                got = [-1] * len(call.keys)
-            ok = [g == sum(s) for g, s in zip(got, sizes)]
+            failed, report, loaded, loaded_bytes = self._read(call)
             with self.lock:
-                report = self.executor.load_answered(call, ok)
-                failed = tuple(b for b, good in zip(call.block_ids, ok) if not good)
-                self.counters.keys_loaded += sum(ok)
-                self.counters.bytes_loaded += sum(sum(s) for s, good in zip(sizes, ok) if good)
-                self.counters.load_failures += len(failed)
-                if self.record:
-                    self._observe(LoadDone(self.rank, call.req_id, call.generation, failed,
-                                           report.failed_block_ids), plan.step)
-                self.load_reports.append(report)
-                self.load_errors.update(report.failed_block_ids)
+                self._landed_load(plan.step, call, failed, report, loaded, loaded_bytes)
+
+    def _read(self, call: Any) -> tuple[tuple[int, ...], LoadReport, int, int]:
+        """One load's store reads into its blocks (outside the lock)."""
+        layout = self.layout
+        ptrs, sizes = [], []
+        for block in call.block_ids:
+            p, s = layout.buffers(block) if layout is not None else ([], [])
+            ptrs.append(p)
+            sizes.append(s)
+        try:
+            got = self.store.get(list(call.keys), ptrs, sizes) if call.keys else []
+        except Exception as exc:  # noqa: BLE001 - a failed read is a load error
+            logger.warning("kvstate rank %d: load of %s failed: %s", self.rank,
+                           call.req_id, exc)
+            got = [-1] * len(call.keys)
+        ok = [g == sum(s) for g, s in zip(got, sizes)]
+        report = self.executor.load_answered(call, ok)
+        failed = tuple(b for b, good in zip(call.block_ids, ok) if not good)
+        loaded_bytes = sum(sum(s) for s, good in zip(sizes, ok) if good)
+        return failed, report, sum(ok), loaded_bytes
+
+    def _landed_load(self, step: int, call: Any, failed: tuple[int, ...], report: LoadReport,
+                     loaded: int, loaded_bytes: int) -> None:
+        """A load's outcome, told to the scheduler (with ``self.lock`` held)."""
+        self.counters.keys_loaded += loaded
+        self.counters.bytes_loaded += loaded_bytes
+        self.counters.load_failures += len(failed)
+        if self.record:
+            self._observe(LoadDone(self.rank, call.req_id, call.generation, failed,
+                                   report.failed_block_ids), step)
+        self.load_reports.append(report)
+        self.load_errors.update(report.failed_block_ids)
+
+    # Asynchronous loads.
+
+    def queue_loads(self, plan: Plan) -> None:
+        """``start_load_kv``: the plan's loads go to the receive thread."""
+        if not plan.loads:
+            return
+        with self.lock:
+            for load in plan.loads:
+                call = self.executor.load_call(load)
+                self._receiving[call.req_id] = self._receiving.get(call.req_id, 0) + 1
+                self._to_receive.append((plan.step, call))
+            self._receive.set()
+
+    def take_landed_loads(self) -> set[str]:
+        """``get_finished``: the requests whose every queued load landed
+        since the last call. Their reports, observations and failed blocks
+        are released now, so the pass that names a request also carries its
+        load errors (and the scheduler's metadata its report)."""
+        with self.lock:
+            landed, self._landed = self._landed, []
+            done: set[str] = set()
+            for _, call, failed, report, loaded, loaded_bytes in landed:
+                # Observed now (this step's plan), when the scheduler learns it.
+                self._landed_load(self.plan_step, call, failed, report, loaded, loaded_bytes)
+                left = self._receiving[call.req_id] - 1
+                if left:
+                    self._receiving[call.req_id] = left
+                else:
+                    del self._receiving[call.req_id]
+                    done.add(call.req_id)
+        return done
+
+    def _receive_loop(self) -> None:
+        while True:
+            self._receive.wait()
+            with self.lock:
+                if self._stopping:
+                    return
+                if not self._to_receive:
+                    self._receive.clear()
+                    continue
+                step, call = self._to_receive.popleft()
+            # Every load lands, a failed one included: vLLM frees a request's
+            # blocks (finished meanwhile) or schedules it only when it does.
+            try:
+                outcome = self._read(call)
+            except Exception:  # noqa: BLE001 - see above
+                logger.exception("kvstate rank %d: load of %s could not be read",
+                                 self.rank, call.req_id)
+                outcome = (call.block_ids, self.executor.load_answered(
+                    call, [False] * len(call.keys)), 0, 0)
+            with self.lock:
+                self._landed.append((step, call, *outcome))
 
     def take_plan(self, plan: Plan) -> None:
         """After the forward pass: end generations, register and queue jobs."""
