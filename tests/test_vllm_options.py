@@ -58,6 +58,8 @@ def test_a_trace_that_cannot_be_written_is_refused_when_the_connector_is_built(
     ({"kvstate_store_timeout": 1e-300}, r"\['kvstate_store_timeout'\]=1e-300: expected seconds"),
     ({"kvstate_put_step": 10**100}, r"\['kvstate_put_step'\]=1000.*expected an integer in 1..1024"),
     ({"cache_prefix": "p" * (1 << 20)}, r"\['cache_prefix'\]='p{40}\.\.\. \(1048576 characters\)'"),
+    ({"kvstate_load_async": "sometimes"}, r"\['kvstate_load_async'\]='sometimes': expected true or false"),
+    ({"kvstate_load_async": 1}, r"\['kvstate_load_async'\]=1: expected true or false"),
 ])
 def test_extra_config_of_the_wrong_shape_or_range_is_refused_naming_it(extra, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -70,8 +72,15 @@ def test_extra_config_bounds_keep_what_users_write() -> None:
     assert (options.store_timeout, options.put_step, options.cache_prefix) == (0.5, 8, "tenant-a")
 
 
+def test_loads_are_asynchronous_unless_a_user_says_false() -> None:
+    assert ConnectorOptions.from_extra_config({}).load_async is True
+    for value in (False, "false", " False "):
+        assert ConnectorOptions.from_extra_config({"kvstate_load_async": value}).load_async is False
+
+
 _fields = st.sampled_from(["kvstate_protocol", "kvstate_trace_layer", "kvstate_monitor",
-                           "kvstate_store_timeout", "kvstate_put_step", "save_decode_cache",
+                           "kvstate_store_timeout", "kvstate_put_step", "kvstate_load_async",
+                           "save_decode_cache",
                            "enable_lookup", "cache_prefix", "mooncake_protocol"])
 
 

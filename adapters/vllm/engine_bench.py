@@ -9,7 +9,11 @@ answer) is served, in one run of this benchmark, by:
 - per connector (``KvstateConnector``, upstream's ``MooncakeStoreConnector``),
   on a fresh store of its own (`adapters.vllm.deployment`): a *cold* engine
   (the store empty: it looks up, misses and saves) and then a *warm* engine
-  in a fresh process (the store full: it looks up, hits and loads).
+  in a fresh process (the store full: it looks up, hits and loads);
+  kvstate's warm engine twice, with asynchronous loads (its default, as
+  upstream's) and with synchronous ones (``kvstate_load_async: false``),
+  which share a prefix through vLLM's cache instead of loading it per
+  request.
 
 Per engine it reports the engine step time and generated tokens a second
 (the wave's wall time over its steps and tokens), the connector's share of
@@ -115,6 +119,11 @@ def _one_round(python: str, model: str, root: Path, wave: Wave) -> dict[str, dic
                                   monitor="off", extra=extra, **common)
             rows[f"{connector} cold"] = _row(cold, wave, stored)
             rows[f"{connector} warm"] = _row(warm, wave, None)
+            if connector == "kvstate":
+                sync = deployment.run("warm-sync", waves, connector=connector, trace=False,
+                                      monitor="off", extra={**extra, "kvstate_load_async": False},
+                                      **common)
+                rows["kvstate warm sync"] = _row(sync, wave, None)
     reference = rows["none"]
     for name, row in rows.items():
         row["outputs_equal"] = None if name == "none" else row["outputs"] == reference["outputs"]

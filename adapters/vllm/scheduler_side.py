@@ -37,6 +37,15 @@ planner's inputs and applies its outputs to the engine:
   nothing, which loses no hit (whatever lay before the failed block is in
   the blocks vLLM kept), and bounds a request whose every get fails — the
   master still saying "present" — to one load (`failed_loads`).
+- A request whose next block another request's asynchronous load is
+  filling is not looked up yet: ``get_num_new_matched_tokens`` answers
+  ``None`` ("ask again"), vLLM keeps it waiting, and once the load landed
+  vLLM's own prefix cache holds the block. Without this, requests admitted
+  together that share a prefix each loaded it from the store (vLLM caches
+  a loading block only once the load landed). Every load lands, a failed
+  one included, and an owner scheduled (vLLM cached the blocks it loaded
+  when it promoted it) or finished holds nobody back any more, so the wait
+  ends (`loading_blocks`).
 
 Store keys use the engine's own block hashes (``Request.block_hashes``,
 vLLM's sha256 chain) in upstream's key format, so a store either connector
@@ -100,11 +109,16 @@ class SchedulerSide:
         # Requests (by id, with the Request object: an id reused later is
         # another request) whose load failed: they get no lookup again.
         self.failed_loads: dict[str, Any] = {}
+        # Asynchronous loads in flight: the block hash (a block's last hash)
+        # of each block one fills -> the request loading it, and the reverse.
+        self.loading_blocks: dict[bytes, str] = {}
+        self.loads_of: dict[str, list[bytes]] = {}
         self.events: list[Any] = []
         self.pins_held = 0
         self.totals: dict[str, int] = {}  # counters summed over every stats() call
         self.counters = {"lookups": 0, "lookup_hit_tokens": 0, "lookup_errors": 0,
                          "loads_failed": 0, "lookups_skipped_after_failed_load": 0,
+                         "lookups_deferred": 0,
                          "jobs_emitted": 0, "jobs_released": 0, "events_published": 0,
                          "events_dropped": 0}
 
@@ -132,6 +146,9 @@ class SchedulerSide:
             return 0, False
         hit = self.hits.get(req_id)
         if hit is None:
+            if self._next_block_loading(request, num_computed_tokens):
+                self.counters["lookups_deferred"] += 1
+                return None, False  # vLLM asks again next step (the module docstring)
             hit = self._lookup(request)
         need = hit - num_computed_tokens
         if need <= 0:
@@ -139,6 +156,38 @@ class SchedulerSide:
         # Asynchronous: vLLM parks the request until get_finished reports the
         # load. Synchronous: vLLM loads before the forward pass that reads them.
         return need, self.load_async
+
+    def _block_hash(self, request: Any, block: int) -> bytes | None:
+        per_block = self.config.hashes_per_block
+        index = (block + 1) * per_block - 1
+        hashes = request.block_hashes
+        return hashes[index] if index < len(hashes) else None
+
+    def _next_block_loading(self, request: Any, num_computed_tokens: int) -> bool:
+        """Is another request's asynchronous load filling the block this
+        request would take from the store first?"""
+        if not self.loading_blocks:
+            return False
+        block_hash = self._block_hash(request, num_computed_tokens // self.config.block_size)
+        owner = self.loading_blocks.get(block_hash) if block_hash is not None else None
+        return owner is not None and owner != request.request_id
+
+    def _loading(self, request: Any, start: int, end: int) -> None:
+        """An asynchronous load of tokens ``[start, end)`` was allocated."""
+        bs = self.config.block_size
+        owned = self.loads_of.setdefault(request.request_id, [])
+        for block in range(start // bs, end // bs):
+            block_hash = self._block_hash(request, block)
+            if block_hash is not None and block_hash not in self.loading_blocks:
+                self.loading_blocks[block_hash] = request.request_id
+                owned.append(block_hash)
+
+    def _stop_loading(self, req_id: str) -> None:
+        """``req_id`` is scheduled (vLLM cached what its load filled when it
+        promoted it) or finished: it holds no other request back."""
+        for block_hash in self.loads_of.pop(req_id, ()):
+            if self.loading_blocks.get(block_hash) == req_id:
+                del self.loading_blocks[block_hash]
 
     def _lookup(self, request: Any) -> int:
         req_id = request.request_id
@@ -184,6 +233,8 @@ class SchedulerSide:
         table = _table(blocks.get_block_ids(), self.groups)
         load_async = self.load_async and num_external_tokens > 0
         self.planner.allocate(req_id, table, local, num_external_tokens, load_async)
+        if load_async:
+            self._loading(request, local, local + num_external_tokens)
         if self.log.active:
             self.log.scheduling(self.step + 1, Allocated(
                 req_id, table, local, num_external_tokens, load_async))
@@ -215,6 +266,9 @@ class SchedulerSide:
             self.log.scheduling(plan.step, StepScheduled(sched))
             self.log.scheduling(plan.step, Planned(plan))
         reused = {r.req_id for r in sched.new}
+        if self.loads_of:
+            for req_id in reused:
+                self._stop_loading(req_id)
         for req_id in sched.finished:
             self.finishing.discard(req_id)
             if req_id in reused:
@@ -224,6 +278,7 @@ class SchedulerSide:
             self.hits.pop(req_id, None)
             self.local_hits.pop(req_id, None)
             self.failed_loads.pop(req_id, None)
+            self._stop_loading(req_id)
         return plan
 
     def _scheduler_step(self, so: Any) -> SchedulerStep:
