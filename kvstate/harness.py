@@ -81,7 +81,7 @@ class EngineRequest:
     __slots__ = (
         "req_id", "prompt", "tokens", "max_new_tokens", "computed", "blocks", "chain",
         "sent_hashes", "status", "resume", "pending_load", "load_async", "lookup",
-        "hit", "transferred", "token_seed",
+        "hit", "transferred", "token_seed", "load_failed",
     )
 
     def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
@@ -103,6 +103,9 @@ class EngineRequest:
         self.hit: int | None = None  # lookup answer, once asked
         self.transferred = False  # prompt KV arrived from a prefill engine (P/D)
         self.token_seed = req_id  # what decode tokens are derived from
+        # Its asynchronous load failed: no second lookup or allocation (the
+        # connector's rule: `adapters.vllm.scheduler_side`).
+        self.load_failed = False
 
 
 class Harness:
@@ -402,7 +405,12 @@ class Harness:
                 self._skip_window(req, hit)
             if self._grow(req, max(hit, min(len(req.prompt), hit + budget))) is None:
                 return None
-            self._allocate(req, hit, req.load_async and hit > 0)
+            if not req.load_failed:
+                # After a failed asynchronous load whose first block failed,
+                # vLLM frees the blocks and allocates afresh; the connector
+                # neither asks the store again nor tells the planner (the
+                # same generation, never admitted yet).
+                self._allocate(req, hit, req.load_async and hit > 0)
             req.computed = hit
             if hit and req.load_async:
                 req.pending_load = hit
@@ -494,6 +502,10 @@ class Harness:
             req = self.requests.get(result.req_id)
             if req is None:
                 continue
+            if (req.status == "parked" and result.failed_block_ids
+                    and len(self.config.groups) == 1):
+                self._recover_async_load(req, set(result.failed_block_ids))
+                continue
             # The engine recomputes exactly the blocks reported as failed.
             chain = HashChain(self.config.hash_block, req.prompt, self.hash_fn)
             for table in req.blocks:
@@ -503,6 +515,26 @@ class Harness:
                             block, chunk_hash(chain.hashes, idx, self.config.hashes_per_block).hex())
             if req.status == "parked":
                 req.status = "waiting"  # pending_load stays set: admitted from the hit
+
+    def _recover_async_load(self, req: EngineRequest, failed: set[int]) -> None:
+        """vLLM 0.33's recovery of a failed asynchronous load (policy
+        ``recompute``: ``Scheduler._update_requests_with_invalid_blocks`` and
+        ``_update_waiting_for_remote_kv``): the request's computed tokens
+        are cut at its first failed block and it waits again; the valid
+        prefix is kept (scheduled from there), or, when the first block
+        failed, its blocks are freed and it is admitted afresh. One KV-cache
+        group only: vLLM refuses block-level load errors for several."""
+        bs = self.config.block_size
+        first = min(idx for idx, block in enumerate(req.blocks[0]) if block in failed)
+        req.computed = first * bs
+        req.pending_load = req.computed
+        req.status = "waiting"
+        req.load_failed = True
+        if req.computed == 0:
+            for table in req.blocks:
+                self.pool.unref(reversed(table))
+            req.blocks = [[] for _ in self.config.groups]
+            req.hit = 0
 
     # ------------------------------------------------------------------
     # Ranks.

@@ -247,6 +247,25 @@ def load_evicted(variant: str | Variant) -> Harness:
                                   MemoryStore(answers))
 
 
+@scenario("load-async-evicted")
+def load_async_evicted(variant: str | Variant) -> Harness:
+    """As load-async, every get failing (the prompt evicted after the
+    lookup): vLLM frees the parked request's blocks and admits it afresh; it
+    computes the prompt without a second lookup or load."""
+    answers = ScriptedAnswers().when("get", None, lambda n, k: True, StoreCode.OBJECT_NOT_FOUND)
+    return _stored_then_looked_up(variant, ConnectorConfig(block_size=4, world_size=2),
+                                  MemoryStore(answers), load_async=True)
+
+
+@scenario("load-async-partial")
+def load_async_partial(variant: str | Variant) -> Harness:
+    """As load-async, rank 1's get of the second chunk failing: vLLM keeps
+    the first block, and the request is scheduled from the second on."""
+    answers = ScriptedAnswers().when("get", 1, lambda n, k: n == 1, StoreCode.OBJECT_NOT_FOUND)
+    return _stored_then_looked_up(variant, ConnectorConfig(block_size=4, world_size=2),
+                                  MemoryStore(answers), load_async=True)
+
+
 @scenario("lookup-partial-namespace")
 def lookup_partial_namespace(variant: str | Variant) -> Harness:
     """Only rank 0's namespace holds the prompt (rank 1's puts failed); a

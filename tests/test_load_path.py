@@ -1,0 +1,72 @@
+"""The load path in the model: vLLM's recovery of a failed asynchronous load.
+
+The harness plays vLLM 0.33's Scheduler as it recovers a parked request whose
+load failed (policy ``recompute``): the computed tokens are cut at the first
+failed block, the valid prefix kept and the request scheduled from there; when
+the first block failed, its blocks are freed and it is admitted afresh, without
+a second lookup or allocation (the connector's rule, which bounds a request to
+one load however the store fails). The same recovery runs for real in
+``tests/test_vllm_connector.py`` (vLLM's Scheduler) and ``tests/test_engine.py``
+(the CPU engine); here the model checker and the scenarios explore it.
+"""
+
+from __future__ import annotations
+
+from kvstate.observations import Allocated, LookupDone, StepScheduled
+from kvstate.scenarios import SCENARIOS
+from sim.check import check_trace
+from sim.replay import replay_trace
+
+
+def admissions(harness, req_id: str) -> list[tuple[int, int]]:
+    """(num_computed_tokens, num_scheduled_tokens) each time ``req_id`` was
+    scheduled as a new request."""
+    return [(n.num_computed_tokens, n.num_scheduled_tokens) for obs in harness.log
+            if isinstance(obs, StepScheduled) for n in obs.step.new if n.req_id == req_id]
+
+
+def count(harness, kind: type, req_id: str) -> int:
+    return sum(1 for obs in harness.log if isinstance(obs, kind) and obs.req_id == req_id)
+
+
+def assert_trace_checks_and_replays(harness, tmp_path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(harness.trace_text())
+    assert check_trace(str(path)).ok
+    replayed = replay_trace(str(path))
+    assert replayed.ok, replayed.divergence
+
+
+def test_a_parked_request_whose_first_block_failed_is_admitted_afresh(tmp_path) -> None:
+    h = SCENARIOS["load-async-evicted"]("kvstate")
+    assert h.monitor.findings == []
+    assert admissions(h, "b") == [(0, 12)]  # the whole prompt computed
+    assert count(h, LookupDone, "b") == 1 and count(h, Allocated, "b") == 1
+    assert sorted(h.finished) == ["a", "b"]
+    assert_trace_checks_and_replays(h, tmp_path)
+
+
+def test_a_parked_request_resumes_at_its_first_failed_block(tmp_path) -> None:
+    """Rank 1 failed the second chunk only: both ranks' blocks from there on
+    are recomputed (vLLM keeps one computed length per request)."""
+    h = SCENARIOS["load-async-partial"]("kvstate")
+    assert h.monitor.findings == []
+    assert admissions(h, "b") == [(4, 8)]
+    assert sorted(h.finished) == ["a", "b"]
+    assert_trace_checks_and_replays(h, tmp_path)
+
+
+def test_upstreams_bookkeeping_recovers_the_same_way() -> None:
+    for name in ("load-async-evicted", "load-async-partial"):
+        h = SCENARIOS[name]("e2")
+        assert h.monitor.findings == [], name
+
+
+def test_a_swallowed_load_error_fires_s19_in_both_recoveries() -> None:
+    """The mutant that drops load errors leaves the request scheduled past
+    blocks that hold nothing: S19 fires, and the engine model admits the
+    request from its whole hit (the recovery never ran)."""
+    for name in ("load-async-evicted", "load-async-partial"):
+        h = SCENARIOS[name]("swallow-load-errors")
+        assert "S19" in h.monitor.fired(), name
+        assert admissions(h, "b") == [(8, 4)]
