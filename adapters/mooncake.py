@@ -229,6 +229,9 @@ class MooncakeStore:
         self.config = config
         self.timeout = timeout
         self.broken: str | None = None
+        # The call that outlived its bound: it may still write into the
+        # buffers it was given (a get) until it returns (`wait_for_straggler`).
+        self._straggler: _Call | None = None
         probe_master(config.master_server_address, min(timeout, setup_timeout))
         self._store = _import_store()()
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
@@ -259,10 +262,23 @@ class MooncakeStore:
         self._calls.put(pending)
         if not pending.done.acquire(timeout=timeout):
             self.broken = f"{what} did not return within {timeout}s"
+            self._straggler = pending
             raise TimeoutError(f"mooncake {what} did not return within {timeout}s")
         if pending.error is not None:
             raise pending.error
         return pending.value
+
+    def wait_for_straggler(self, timeout: float | None = None) -> bool:
+        """Wait until the call that timed out has returned (at once when none
+        did): until then it may still write into the buffers it was handed.
+        False when ``timeout`` passed first."""
+        straggler = self._straggler
+        if straggler is None:
+            return True
+        if not straggler.done.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        straggler.done.release()  # a second waiter returns at once too
+        return True
 
     def register(self, ptr: int, size: int) -> None:
         rc = self._bounded(lambda: self._store.register_buffer(ptr, size), self.timeout,

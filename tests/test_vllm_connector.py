@@ -523,6 +523,52 @@ def test_a_request_aborted_while_its_load_is_in_flight_frees_its_blocks_once_it_
     e.close()
 
 
+def test_a_get_that_outlives_its_timeout_keeps_its_blocks_until_it_returns(engines) -> None:
+    """A get that did not return within ``kvstate_store_timeout`` may still
+    write into the blocks it was handed. The load is failed only once the
+    call returned: until then the request stays parked and vLLM holds its
+    blocks (freeing them would hand them to another request under a late
+    write). Then it computes, and everything settles."""
+    import threading
+
+    e = engines(save_decode_cache=False)
+    shared = prompt(64, salt=65)
+    stored_prefix(e, shared)
+    second = e.engine()
+    worker = second.workers[0].worker
+    release = threading.Event()
+
+    class HangingGets:
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
+            release.wait(20)
+            return self.real.batch_get_into_multi_buffers(keys, ptrs, sizes)
+
+    worker.store.timeout = 0.2
+    worker.store._store = HangingGets(worker.store._store)
+    second.add("b", shared + [4, 5], max_tokens=3)
+    second.step()
+    (table,) = second.scheduler.kv_cache_manager.get_block_ids("b")
+    pool = second.scheduler.kv_cache_manager.block_pool
+    deadline = time.monotonic() + 1.0  # five timeouts
+    while time.monotonic() < deadline:
+        assert not second.step().scheduled_new_reqs  # still parked
+        time.sleep(0.01)
+    assert worker.store.broken is not None
+    assert all(pool.blocks[b].ref_cnt > 0 for b in table)
+    release.set()
+    assert admitted(second, "b").num_computed_tokens == 0  # the load failed: computed
+    second.run()
+    assert "b" in second.finished
+    settled(second)
+    e.close()
+
+
 def test_a_killed_master_costs_hits_not_correctness(model_dir, tmp_path, monkeypatch) -> None:
     master = Master()
     _store_config(master.address, tmp_path, monkeypatch)

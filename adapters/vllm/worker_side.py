@@ -233,11 +233,32 @@ class WorkerSide:
             logger.warning("kvstate rank %d: load of %s failed: %s", self.rank,
                            call.req_id, exc)
             got = [-1] * len(call.keys)
+            if isinstance(exc, TimeoutError) and self.load_async:
+                self._outwait(call)
         ok = [g == sum(s) for g, s in zip(got, sizes)]
         report = self.executor.load_answered(call, ok)
         failed = tuple(b for b, good in zip(call.block_ids, ok) if not good)
         loaded_bytes = sum(sum(s) for s, good in zip(sizes, ok) if good)
         return failed, report, sum(ok), loaded_bytes
+
+    def _outwait(self, call: Any) -> None:
+        """A get that timed out may still write into the load's blocks when
+        it returns. Landing the load now would let vLLM recompute into them,
+        or free them for another request, and the late bytes would land on
+        top. So the receive thread waits for the call to return: the request
+        stays parked and its blocks held (vLLM frees nothing of a parked or
+        loading request), possibly for good if the call never returns — a
+        lost request, never corrupt KV. The engine serves on; the store is
+        marked broken and every later call fails at once."""
+        wait = getattr(self.store, "wait_for_straggler", None)
+        if wait is None:
+            return
+        logger.warning("kvstate rank %d: the get of %s outlived kvstate_store_timeout; its "
+                       "blocks stay held until it returns", self.rank, call.req_id)
+        while not wait(1.0):
+            with self.lock:
+                if self._stopping:
+                    return
 
     def _landed_load(self, step: int, call: Any, failed: tuple[int, ...], report: LoadReport,
                      loaded: int, loaded_bytes: int) -> None:
