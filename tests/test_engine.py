@@ -220,6 +220,30 @@ def test_a_store_that_says_present_but_never_serves_costs_one_load_a_request(fil
     assert_trace_checks_and_replays(failing["trace"])
 
 
+def test_a_store_that_says_present_but_never_serves_stalls_upstream_not_kvstate(filled) -> None:
+    """The same broken data plane, injected under both connectors (the Mooncake
+    binding's batched get fails every key with -704; existence checks still
+    answer "present"), with vLLM's default policy ``recompute``. kvstate:
+    four gets, every request finishes, outputs equal. Upstream's
+    MooncakeStoreConnector (specs/conformance.md, H4): vLLM frees the blocks
+    of a load whose first block failed and admits the request afresh, the
+    connector looks the store up again, finds the prefix "present", loads,
+    fails — and again, every few steps, for ever: no request finishes in
+    3,000 steps (the wave's requests are then aborted)."""
+    deployment, baseline, _ = filled
+    ours = deployment.run("broken-gets-kvstate", [WAVE], fail_store_gets=True, max_steps=3000)
+    theirs = deployment.run("broken-gets-upstream", [WAVE], connector="mooncake",
+                            extra={"enable_lookup": True}, fail_store_gets=True,
+                            max_steps=3000)
+    assert ours["waves"][0]["stalled"] == []
+    assert outputs(ours) == outputs(baseline)
+    assert ours["store_gets"]["calls"] == len(WAVE.requests)
+    assert_drained(ours)
+    assert theirs["waves"][0]["stalled"] == sorted(r.req_id for r in WAVE.requests)
+    assert theirs["waves"][0]["steps"] == 3000
+    assert theirs["store_gets"]["calls"] > 100 * len(WAVE.requests)  # the loop, measured
+
+
 @LOADS
 def test_with_policy_fail_a_failed_load_ends_its_requests_with_an_error(filled,
                                                                         load_async) -> None:

@@ -161,6 +161,14 @@ class EngineSpec:
     # outruns the model, as on a GPU whose forward is launched asynchronously.
     # Without it which comes first is a race on a loaded CPU (see `_settle_saves`).
     settle_saves: bool = False
+    # Every get of the Mooncake client answers -704 while existence checks
+    # still say "present" (a broken data plane), for either connector: the
+    # binding's batch_get_into_multi_buffers itself is replaced. Calls and
+    # keys are counted in the result's ``store_gets``.
+    fail_store_gets: bool = False
+    # A wave still unfinished after this many engine steps is stalled: its
+    # requests are aborted and named in the wave's ``stalled``.
+    max_steps: int = 100_000
     drain_timeout: float = 60.0
 
     def __attrs_post_init__(self) -> None:
@@ -269,6 +277,23 @@ def _fail_loads(positions: frozenset[int]) -> None:
     worker_side.WorkerSide._read = read  # type: ignore[method-assign]
 
 
+STORE_GETS = {"calls": 0, "keys": 0}
+
+
+def _fail_store_gets() -> None:
+    """Replace the Mooncake binding's batched get (both connectors load
+    through it) by one that fails every key with -704 and writes nothing."""
+    from mooncake.store import MooncakeDistributedStore
+
+    def batch_get_into_multi_buffers(self: Any, keys: list[str], ptrs: Any,
+                                     sizes: Any) -> list[int]:
+        STORE_GETS["calls"] += 1
+        STORE_GETS["keys"] += len(keys)
+        return [OBJECT_NOT_FOUND] * len(keys)
+
+    MooncakeDistributedStore.batch_get_into_multi_buffers = batch_get_into_multi_buffers
+
+
 def _settle_saves(timeout: float) -> None:
     """Make ``wait_for_save`` return only when the rank's send thread has
     performed every job it queued: a put then reads the blocks before the
@@ -307,6 +332,8 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         _fail_loads(frozenset(spec.fail_loads))
     if spec.settle_saves:
         _settle_saves(spec.drain_timeout)
+    if spec.fail_store_gets:
+        _fail_store_gets()
     if not spec.multiprocess:
         _count_preemptions()
     import vllm
@@ -333,7 +360,8 @@ def run(spec: EngineSpec) -> dict[str, Any]:
     timed = _time_connector(llm) if spec.time_connector and not spec.multiprocess else None
     for wave in spec.waves:
         before = dict(timed or {})
-        result["waves"].append(_run_wave(engine, wave, SamplingParams, TokensPrompt))
+        result["waves"].append(_run_wave(engine, wave, SamplingParams, TokensPrompt,
+                                         spec.max_steps))
         if timed is not None:
             # This wave's share only: construction (registering the KV
             # buffers with the store) and other waves are not in its wall time.
@@ -341,13 +369,16 @@ def run(spec: EngineSpec) -> dict[str, Any]:
                 k: v - before.get(k, 0.0) for k, v in timed.items() if v > before.get(k, 0.0)}
     if external is not None:
         result["external_tokens"] = external
+    if spec.fail_store_gets:
+        result["store_gets"] = dict(STORE_GETS)
     if not spec.multiprocess:
         result.update(_drain(llm, spec))
     engine.engine_core.shutdown()
     return result
 
 
-def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any) -> dict[str, Any]:
+def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
+              max_steps: int = 100_000) -> dict[str, Any]:
     def add(request: EngineRequest) -> None:
         params = sampling(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(request.req_id, tokens_prompt(prompt_token_ids=request.prompt),
@@ -384,10 +415,19 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any) -> dic
                     add(follower)
                     added_at[follower.req_id] = time.perf_counter()
                     first_token_s.pop(follower.req_id, None)
-        if steps > 100_000:
-            raise RuntimeError("the wave did not finish in 100,000 engine steps")
-    return {"outputs": outputs, "finish_reasons": reasons, "steps": steps, "wall_s": time.perf_counter() - started,
-            "first_token_s": first_token_s, "killed": killed}
+        if steps >= max_steps:
+            break
+    stalled = sorted(r.req_id for r in wave.requests if r.req_id not in outputs)
+    wall_s = time.perf_counter() - started
+    if stalled:
+        engine.abort_request(stalled)  # the ids as the client gave them
+        for _ in range(1000):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+    return {"outputs": outputs, "finish_reasons": reasons, "steps": steps, "wall_s": wall_s,
+            "first_token_s": first_token_s, "killed": killed, "stalled": stalled}
+
 
 
 def _drain(llm: Any, spec: EngineSpec) -> dict[str, Any]:
