@@ -522,19 +522,24 @@ class Harness:
         ``_update_waiting_for_remote_kv``): the request's computed tokens
         are cut at its first failed block and it waits again; the valid
         prefix is kept (scheduled from there), or, when the first block
-        failed, its blocks are freed and it is admitted afresh. One KV-cache
-        group only: vLLM refuses block-level load errors for several."""
+        failed, its blocks are freed and it is admitted afresh: without a
+        second lookup (kvstate), or looked up again (upstream: H4, which K8
+        reports). One KV-cache group only: vLLM refuses block-level load
+        errors for several."""
         bs = self.config.block_size
         first = min(idx for idx, block in enumerate(req.blocks[0]) if block in failed)
         req.computed = first * bs
         req.pending_load = req.computed
         req.status = "waiting"
-        req.load_failed = True
         if req.computed == 0:
             for table in req.blocks:
                 self.pool.unref(reversed(table))
             req.blocks = [[] for _ in self.config.groups]
+            if self.variant.lookup_after_failed_load:
+                req.hit = None  # upstream asks the store again (H4)
+                return
             req.hit = 0
+        req.load_failed = True
 
     # ------------------------------------------------------------------
     # Ranks.

@@ -165,6 +165,10 @@ CATALOGUE: tuple[Invariant, ...] = (
               "present in the store", "safety", "JobFinished",
               "fault: a verdict claiming a failed put", "synthetic",
               "vLLM 0.33.0 send thread (a failed put is not saved)"),
+    Invariant("K8", "A request whose load failed computes: its generation is not looked up "
+              "again, so lookups and loads stay bounded however the store fails", "liveness",
+              "LookupDone", "e2", "load-async-evicted",
+              "specs/conformance.md H4 (MooncakeStoreConnector looks up after a failed load)"),
 )
 
 INVARIANTS: dict[str, Invariant] = {inv.id: inv for inv in CATALOGUE}
@@ -284,6 +288,9 @@ class Monitor:
         self.absent: frozenset[str] = frozenset()
         self._handlers: dict[type, Any] = {}  # observation type -> bound checker (or None)
         self.gens: dict[GenKey, _Gen] = {}
+        # request id -> the generation a load of which failed (K8); the
+        # request's next lookup of a later generation clears it.
+        self.load_failed: dict[str, int] = {}
         self.current: dict[str, int] = {}
         self.jobs: dict[int, _Job] = {}
         self.last_job_id = 0
@@ -967,6 +974,14 @@ class Monitor:
         return out
 
     def _on_LookupDone(self, obs: LookupDone) -> None:
+        failed_in = self.load_failed.get(obs.req_id)
+        if failed_in is not None:
+            if failed_in == obs.generation:
+                self.fail("K8", f"{obs.req_id!r} (generation {obs.generation}) is looked up "
+                          "again after a load of it failed: while the store says present and "
+                          "every get fails, it never computes")
+            else:
+                del self.load_failed[obs.req_id]
         config = self.config
         hit_chunks = -(-obs.hit_tokens // config.block_size)
         required: Sequence[tuple[str, Sequence[int]]]
@@ -1003,6 +1018,8 @@ class Monitor:
                                       f"hit but {key} was not stored")
 
     def _on_LoadDone(self, obs: LoadDone) -> None:
+        if obs.failed_block_ids:
+            self.load_failed[obs.req_id] = obs.generation
         missing = set(obs.failed_block_ids) - set(obs.reported_block_ids)
         if missing:
             self.fail("S19", f"rank {obs.rank} failed to load blocks {sorted(missing)} of "

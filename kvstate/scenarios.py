@@ -214,14 +214,15 @@ def evicted_and_reput(variant: str | Variant) -> Harness:
 
 
 def _stored_then_looked_up(variant: str | Variant, config: ConnectorConfig,
-                           store: MemoryStore | None = None, load_async: bool = False) -> Harness:
+                           store: MemoryStore | None = None, load_async: bool = False,
+                           max_steps: int = 10_000) -> Harness:
     """Request "a" stores a 12-token prompt; then "b" with the same prompt looks
     the store up and loads what it finds."""
     h = Harness(config, variant, num_blocks=32, store=store)
     h.add("a", prompt(12))
     h.settle()
     h.add("b", prompt(12), lookup=True, load_async=load_async)
-    h.settle()
+    h.settle(max_steps)
     return h
 
 
@@ -249,12 +250,13 @@ def load_evicted(variant: str | Variant) -> Harness:
 
 @scenario("load-async-evicted")
 def load_async_evicted(variant: str | Variant) -> Harness:
-    """As load-async, every get failing (the prompt evicted after the
-    lookup): vLLM frees the parked request's blocks and admits it afresh; it
-    computes the prompt without a second lookup or load."""
+    """As load-async, every get failing while the store still says present:
+    vLLM frees the parked request's blocks and admits it afresh; it computes
+    the prompt without a second lookup or load (K8). Upstream looks it up
+    again, loads, fails, for ever (bounded here at 100 steps)."""
     answers = ScriptedAnswers().when("get", None, lambda n, k: True, StoreCode.OBJECT_NOT_FOUND)
     return _stored_then_looked_up(variant, ConnectorConfig(block_size=4, world_size=2),
-                                  MemoryStore(answers), load_async=True)
+                                  MemoryStore(answers), load_async=True, max_steps=100)
 
 
 @scenario("load-async-partial")

@@ -163,6 +163,9 @@ REQUEST_TABLE: dict[RequestState, dict[RequestEvent, RequestState]] = {
     _R.ALLOCATED: {
         _RE.PARK_FOR_LOAD: _R.LOAD_PARKED,
         _RE.SCHEDULE_PREFILL: _R.PREFILLING,
+        # Upstream's only (H4): vLLM freed the blocks of a load whose first
+        # block failed and asks again; kvstate computes instead (K8).
+        _RE.LOOKUP_STARTED: _R.LOOKUP_PENDING,
         _RE.FINISH: _R.FINISHED,
     },
     _R.LOAD_PARKED: {_RE.LOAD_FINISHED: _R.ALLOCATED, _RE.FINISH: _R.FINISHED},

@@ -374,6 +374,12 @@ class Variant:
     # kvstate defers such saves to the next step, when the load's outcome and
     # vLLM's recompute are in; upstream saves in that step.
     defer_saves_over_loads: bool = True
+    # After an asynchronous load whose first block failed, vLLM frees the
+    # blocks and admits the request afresh, asking the connector again.
+    # Upstream looks the store up again: while the master says "present" and
+    # every get fails, the request loops for ever (specs/conformance.md, H4).
+    # kvstate computes instead (what lay before the failed block is kept).
+    lookup_after_failed_load: bool = False
     stride_origin: Callable[[int], int] = stride_absolute
     exists_keys: Callable[[tuple[str, ...]], tuple[str, ...]] = check_all
     after_raise: Callable[[Any], Any] = report_after_raise
@@ -415,6 +421,7 @@ E2 = attrs.evolve(
     offset_after_failure=offset_kept,
     call_timeout=None,
     defer_saves_over_loads=False,
+    lookup_after_failed_load=True,
 )
 
 E1 = attrs.evolve(

@@ -56,10 +56,23 @@ def test_a_parked_request_resumes_at_its_first_failed_block(tmp_path) -> None:
     assert_trace_checks_and_replays(h, tmp_path)
 
 
-def test_upstreams_bookkeeping_recovers_the_same_way() -> None:
-    for name in ("load-async-evicted", "load-async-partial"):
-        h = SCENARIOS[name]("e2")
-        assert h.monitor.findings == [], name
+def test_upstream_resumes_at_the_failed_block_the_same_way() -> None:
+    h = SCENARIOS["load-async-partial"]("e2")
+    assert h.monitor.findings == []
+    assert admissions(h, "b") == [(4, 8)]
+
+
+def test_upstream_looks_a_request_whose_load_failed_up_again_for_ever() -> None:
+    """H4 in the model: e2 asks the store again after vLLM freed the blocks
+    of a failed load; the store says present, the get fails, and again —
+    until the scenario's 100-step bound. K8 names the first repeat, K3 the
+    request still there at the end; the default protocol computes (above)."""
+    h = SCENARIOS["load-async-evicted"]("e2")
+    assert count(h, LookupDone, "b") == 100
+    assert admissions(h, "b") == []
+    assert {"K8", "K3"} <= h.monitor.fired()
+    first = next(f for f in h.monitor.findings if f.invariant == "K8")
+    assert "'b' (generation 2) is looked up again after a load of it failed" in first.message
 
 
 def test_a_swallowed_load_error_fires_s19_in_both_recoveries() -> None:
