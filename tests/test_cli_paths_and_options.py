@@ -178,3 +178,68 @@ def test_specs_write_refuses_before_writing_any_file(tmp_path: Path, capsys) -> 
     (root / "trace.md").mkdir(parents=True)
     _refused(capsys, ["specs", "--write", "--root", str(root)], "trace.md is a directory")
     assert [p.name for p in root.iterdir()] == ["trace.md"]  # it wrote the others first
+
+
+# --------------------------------------------------------------------------
+# Bad input, the probe's class 1: a number too large for a float in a trace's
+# time (``t``, every record) or in ``JobFinished.now`` ended in OverflowError
+# (exit 1, a traceback) in every command that reads traces.
+
+SCENARIO_TRACE = Path(__file__).resolve().parents[1] / "specs" / "scenarios" / \
+    "preempt-with-queued-job.jsonl"
+HUGE = int("9" * 400)
+
+
+def _with_field(tmp_path: Path, kind: str, field: str, value: object) -> tuple[Path, int]:
+    """The scenario trace with ``field`` of the first ``kind`` line replaced."""
+    lines = SCENARIO_TRACE.read_text().splitlines()
+    number = next(i for i, line in enumerate(lines) if i and f'"type":"{kind}"'
+                  in line.replace(" ", ""))
+    record = json.loads(lines[number])
+    record[field] = value
+    lines[number] = json.dumps(record)
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, number + 1
+
+
+@pytest.mark.parametrize(("kind", "field"), [("StepScheduled", "t"), ("JobFinished", "now")])
+@pytest.mark.parametrize("command", [["check"], ["replay"], ["coverage"], ["trace", "observed"],
+                                     ["diagram", "job", "--coverage"]])
+def test_a_number_beyond_a_float_is_refused_naming_line_and_field(tmp_path, capsys, kind, field,
+                                                                 command) -> None:
+    path, line = _with_field(tmp_path, kind, field, HUGE)
+    assert main([*command, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:{line}: field {field!r}: expected a number within a float's range, " \
+        "got an integer of 1329 bits" in err, err
+
+
+def test_a_float_literal_beyond_range_is_refused_naming_line_and_field(tmp_path, capsys) -> None:
+    """``1e999`` is valid JSON that Python reads as infinity."""
+    path, line = _with_field(tmp_path, "JobFinished", "now", 12345.5)
+    path.write_text(path.read_text().replace("12345.5", "1e999"))
+    assert main(["check", str(path)]) == 2
+    assert f"{path}:{line}: field 'now': expected a finite number, got inf" in \
+        capsys.readouterr().err
+
+
+def test_any_json_number_as_a_time_or_now_is_read_or_refused_cleanly(tmp_path_factory) -> None:
+    """Whatever number a trace holds in ``t`` or ``JobFinished.now`` (huge,
+    tiny, negative, integral or not), ``check`` exits 0, 1 or 2, never with a
+    traceback."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    numbers = st.integers() | st.integers(min_value=10**300, max_value=10**2000) | st.floats(
+        allow_nan=False, allow_infinity=False)
+
+    @settings(max_examples=60, deadline=None)
+    @given(kind_field=st.sampled_from([("StepScheduled", "t"), ("JobFinished", "now")]),
+           value=numbers)
+    def read(kind_field, value) -> None:
+        tmp = tmp_path_factory.mktemp("number")
+        path, _ = _with_field(tmp, *kind_field, value)
+        assert main(["check", str(path)]) in (0, 1, 2)
+
+    read()

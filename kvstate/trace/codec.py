@@ -239,8 +239,17 @@ def _compile(annotation: Any) -> Decoder:
         return _scalar(str, "a string")
     if annotation is float:
         def number(value: Any, where: str, path: str) -> Any:
-            if type(value) in (int, float):
-                return float(value)
+            if type(value) is float:
+                if math.isfinite(value):
+                    return value
+                raise TraceError(where, path, f"expected a finite number, got {value!r}")
+            if type(value) is int:
+                try:
+                    return float(value)
+                except OverflowError:
+                    # Not str(value): beyond 4,300 digits that raises too.
+                    raise TraceError(where, path, "expected a number within a float's range, "
+                                     f"got an integer of {value.bit_length()} bits") from None
             raise TraceError(where, path, f"expected a number, got {value!r}")
         return number
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
