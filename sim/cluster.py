@@ -318,6 +318,10 @@ class Cluster:
                     _join(ray, address, options)
             except ConnectionError as e:  # no cluster at that address
                 raise ClusterError(f"--ray {address}: no Ray cluster there ({e})") from e
+            except ValueError as e:  # Ray's address parser refused it ('::::')
+                raise ClusterError(f"--ray {address!r}: not an address Ray can join ({e}); "
+                                   "expected 'local', 'auto', HOST:PORT or "
+                                   "ray://HOST:PORT") from None
             if address != "local":  # a private instance runs this process's files
                 try:
                     _check_code(ray, address)

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import stat
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,7 @@ def read_mooncake(path: Path) -> Iterator[tuple[float, int, int, list[int]]]:
         while True:
             try:
                 raw = handle.readline(MAX_LINE_BYTES + 1)
-            except (OSError, EOFError) as exc:  # a corrupt or truncated .gz
+            except (OSError, EOFError, zlib.error) as exc:  # a corrupt or truncated .gz
                 raise WorkloadError(f"{path}:{number + 1}: cannot read ({exc})") from None
             if not raw:
                 return

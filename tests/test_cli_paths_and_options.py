@@ -243,3 +243,27 @@ def test_any_json_number_as_a_time_or_now_is_read_or_refused_cleanly(tmp_path_fa
         assert main(["check", str(path)]) in (0, 1, 2)
 
     read()
+
+
+# --------------------------------------------------------------------------
+# Bad input, the probe's class 4: library errors that escaped as tracebacks.
+
+def test_a_workload_whose_gzip_body_is_corrupt_is_refused_naming_it(tmp_path, capsys) -> None:
+    """A valid gzip header over a damaged deflate stream: zlib.error used to
+    escape (exit 1, a traceback); a truncated file was already handled."""
+    import gzip
+
+    line = b'{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+    data = gzip.compress(line * 100)
+    path = tmp_path / "trace.jsonl.gz"
+    path.write_bytes(data[:20] + bytes(b ^ 0x5A for b in data[20:60]) + data[60:])
+    assert main(["sim", "--workload", "fast25", "--fast25-path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:1: cannot read (Error -3 while decompressing data" in err, err
+
+
+def test_a_ray_address_rays_parser_refuses_is_a_usage_error(capsys) -> None:
+    pytest.importorskip("ray")
+    assert main(["campaign", "--ray", "::::"]) == 2
+    err = capsys.readouterr().err
+    assert "--ray '::::': not an address Ray can join (Invalid address format: ::::)" in err, err
