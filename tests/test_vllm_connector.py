@@ -357,13 +357,16 @@ def test_a_store_answer_short_of_its_keys_fails_the_job_not_the_send_thread(engi
 OBJECT_NOT_FOUND = -704
 
 
-def failing_gets(rig: Rig, chunks) -> dict[str, int]:
-    """Every rank's reads of the chunks ``chunks`` (a load from chunk 0)
-    answer -704 and leave the block zeroed; returns a count of failed reads."""
+def failing_gets(rig: Rig, chunks, ranks=None) -> dict[str, int]:
+    """Every rank's (or ``ranks``') reads of the chunks ``chunks`` (a load
+    from chunk 0) answer -704 and leave the block zeroed; returns a count of
+    failed reads."""
     import ctypes
 
     failed = {"reads": 0}
-    for worker in rig.workers:
+    for rank, worker in enumerate(rig.workers):
+        if ranks is not None and rank not in ranks:
+            continue
         store = worker.worker.store
         real_get = store.get
 
@@ -438,6 +441,35 @@ def test_requests_sharing_a_prefix_wait_for_one_load_of_it(engines) -> None:
     assert totals["keys_loaded"] == 4  # the prefix, once: the later two hit vLLM's cache
     assert totals["lookups"] == 3 and totals["lookups_deferred"] > 0
     assert sorted(second.finished) == ["b0", "b1", "b2"]
+    second.drain()
+    settled(second)
+    e.close()
+
+
+def test_an_async_load_failing_on_one_rank_of_two_resumes_both_at_the_failed_block(
+        engines) -> None:
+    """TP 2: rank 1's get of chunk 2 fails, rank 0's load is whole. vLLM
+    counts a load finished once both ranks named it, and unions their failed
+    blocks: the request is scheduled from block 2 on both ranks, and every
+    rank's kept blocks hold its own shard."""
+    e = engines(save_decode_cache=False)
+    shared = prompt(64, salt=66)
+    first = e.engine(tp=2)
+    first.add("a", shared + [1, 2, 3], max_tokens=2)
+    first.run()
+    first.drain()
+    first.run()
+    settled(first)
+    second = e.engine(tp=2)
+    failing_gets(second, {2}, ranks={1})
+    tokens = shared + [4, 5]
+    second.add("b", tokens, max_tokens=3)
+    assert admitted(second, "b").num_computed_tokens == 2 * BS
+    loaded_blocks_hold(second, "b", tokens, 2 * BS)
+    second.run()
+    totals = second.totals()
+    assert totals["load_failures"] == 1 and totals["loads_failed"] == 1
+    assert "b" in second.finished
     second.drain()
     settled(second)
     e.close()
