@@ -169,6 +169,10 @@ CATALOGUE: tuple[Invariant, ...] = (
               "again, so lookups and loads stay bounded however the store fails", "liveness",
               "LookupDone", "e2", "load-async-evicted",
               "specs/conformance.md H4 (MooncakeStoreConnector looks up after a failed load)"),
+    Invariant("K9", "A lookup leaves at least one prompt token to compute (a hit never covers "
+              "the whole prompt)", "safety", "LookupDone",
+              "fault: a lookup answer covering the whole prompt", "synthetic",
+              "vLLM Scheduler (a request needs one computed token to sample from)"),
 )
 
 INVARIANTS: dict[str, Invariant] = {inv.id: inv for inv in CATALOGUE}
@@ -974,6 +978,9 @@ class Monitor:
         return out
 
     def _on_LookupDone(self, obs: LookupDone) -> None:
+        if obs.hit_tokens and obs.hit_tokens >= obs.num_prompt_tokens:
+            self.fail("K9", f"lookup of {obs.req_id!r} offers {obs.hit_tokens} tokens of a "
+                      f"{obs.num_prompt_tokens}-token prompt: nothing left to compute")
         failed_in = self.load_failed.get(obs.req_id)
         if failed_in is not None:
             if failed_in == obs.generation:

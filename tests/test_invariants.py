@@ -141,10 +141,12 @@ def test_s20_a_hybrid_lookup_claiming_a_hit_past_its_hash_chain_is_one_finding()
     chain = (b"\x01" * 32, b"\x02" * 32)
     monitor.observe(LookupDone("a", 1, 8, chain, (), (), 4 * 1_000_000))
     # The claim, then the two chunks the chain does cover, which the store
-    # was never asked about (no keys): three findings in all.
-    assert [f.invariant for f in monitor.findings] == ["S20"] * 3, monitor.findings[:4]
+    # was never asked about (no keys): three S20 findings in all, after K9's
+    # (a hit beyond the 8-token prompt leaves nothing to compute).
+    assert [f.invariant for f in monitor.findings] == ["K9"] + ["S20"] * 3, \
+        monitor.findings[:5]
     assert "counted 1000000 chunks as a hit but its hash chain of 2 hashes covers 2" in (
-        monitor.findings[0].message)
+        monitor.findings[1].message)
 
 
 class _CountsFailedPutsAsStored(Executor):
@@ -233,3 +235,17 @@ def test_an_unknown_invariant_id_is_an_error_not_silence() -> None:
     with pytest.raises(ValueError, match="unknown invariant 'Z9'"):
         monitor.skip("Z9", "a typo")
     assert monitor.findings == []
+
+
+def test_k9_a_lookup_offering_the_whole_prompt_fires() -> None:
+    """No protocol here can produce it (the planner shortens a full hit by a
+    block); a broken lookup answer, fed to the monitor, must be named."""
+    from kvstate.observations import LookupDone
+
+    monitor = _monitor(ConnectorConfig(block_size=4))
+    keys = ("k0", "k1")
+    monitor.observe(LookupDone("a", 1, 7, (b"h0", b"h1"), keys, (True, True), 4))
+    assert "K9" not in monitor.fired()  # 4 of 7: three tokens left to compute
+    monitor.observe(LookupDone("b", 1, 8, (b"h0", b"h1"), keys, (True, True), 8))
+    assert [f.message for f in monitor.findings if f.invariant == "K9"] == [
+        "lookup of 'b' offers 8 tokens of a 8-token prompt: nothing left to compute"]
