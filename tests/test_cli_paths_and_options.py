@@ -267,3 +267,17 @@ def test_a_ray_address_rays_parser_refuses_is_a_usage_error(capsys) -> None:
     assert main(["campaign", "--ray", "::::"]) == 2
     err = capsys.readouterr().err
     assert "--ray '::::': not an address Ray can join (Invalid address format: ::::)" in err, err
+
+
+# The probe's class 7: `trace observed X -o X` replaced the annotated trace
+# with its cut (the output is written whole, then renamed over X).
+
+def test_trace_observed_refuses_to_write_over_the_trace_it_reads(tmp_path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(SCENARIO_TRACE.read_text())
+    before = trace.read_bytes()
+    for output in (str(trace), str(tmp_path / "." / "t.jsonl")):
+        assert main(["trace", "observed", str(trace), "-o", output]) == 2
+        assert "that is the trace being read" in capsys.readouterr().err
+    assert trace.read_bytes() == before
+    assert main(["trace", "observed", str(trace), "-o", str(tmp_path / "cut.jsonl")]) == 0

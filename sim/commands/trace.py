@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist (yet): not the same file
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
+    from sim.commands.errors import UsageError
     from sim.commands.paths import output_file, written_whole
     from sim.observed import write_observed
 
@@ -15,6 +24,11 @@ def run(args: argparse.Namespace) -> int:
         cut = write_observed(args.trace, sys.stdout)
     else:
         output_file(args.output, "-o")
+        if _same_file(args.trace, args.output):
+            # The cut is written whole and then renamed over the output: it
+            # would replace the annotated trace it was cut from.
+            raise UsageError(f"-o {args.output}: that is the trace being read ({args.trace}); "
+                             "the annotations would be lost: write the cut elsewhere")
         with written_whole(args.output) as out:
             cut = write_observed(args.trace, out)
         print(f"{args.trace}: {cut.lines_in} lines -> {cut.lines_out} observed lines in "
