@@ -429,7 +429,6 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
             "first_token_s": first_token_s, "killed": killed, "stalled": stalled}
 
 
-
 def _drain(llm: Any, spec: EngineSpec) -> dict[str, Any]:
     """Step until the connector has no save work left; then what it holds."""
     core = _core(llm)

@@ -158,12 +158,12 @@ class WorkerSide:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._registered: list[int] = []
-        # Asynchronous loads: queued for the receive thread (with the step of
-        # the plan that asked), the loads each request still waits for, and
-        # loads that landed and were not announced yet (`take_landed_loads`).
-        self._to_receive: deque[tuple[int, Any]] = deque()
+        # Asynchronous loads: queued for the receive thread, the loads each
+        # request still waits for, and loads that landed and were not
+        # announced yet (`take_landed_loads`), with their `_read` outcome.
+        self._to_receive: deque[Any] = deque()
         self._receiving: dict[str, int] = {}
-        self._landed: list[tuple[int, Any, tuple[int, ...], LoadReport, int, int]] = []
+        self._landed: list[tuple[Any, tuple[int, ...], LoadReport, int, int]] = []
         self._receive = threading.Event()
         self._receiver: threading.Thread | None = None
 
@@ -282,7 +282,7 @@ class WorkerSide:
             for load in plan.loads:
                 call = self.executor.load_call(load)
                 self._receiving[call.req_id] = self._receiving.get(call.req_id, 0) + 1
-                self._to_receive.append((plan.step, call))
+                self._to_receive.append(call)
             self._receive.set()
 
     def take_landed_loads(self) -> set[str]:
@@ -293,7 +293,7 @@ class WorkerSide:
         with self.lock:
             landed, self._landed = self._landed, []
             done: set[str] = set()
-            for _, call, failed, report, loaded, loaded_bytes in landed:
+            for call, failed, report, loaded, loaded_bytes in landed:
                 # Observed now (this step's plan), when the scheduler learns it.
                 self._landed_load(self.plan_step, call, failed, report, loaded, loaded_bytes)
                 left = self._receiving[call.req_id] - 1
@@ -313,7 +313,7 @@ class WorkerSide:
                 if not self._to_receive:
                     self._receive.clear()
                     continue
-                step, call = self._to_receive.popleft()
+                call = self._to_receive.popleft()
             # Every load lands, a failed one included: vLLM frees a request's
             # blocks (finished meanwhile) or schedules it only when it does.
             try:
@@ -324,7 +324,7 @@ class WorkerSide:
                 outcome = (call.block_ids, self.executor.load_answered(
                     call, [False] * len(call.keys)), 0, 0)
             with self.lock:
-                self._landed.append((step, call, *outcome))
+                self._landed.append((call, *outcome))
 
     def take_plan(self, plan: Plan) -> None:
         """After the forward pass: end generations, register and queue jobs."""
