@@ -380,6 +380,12 @@ class Variant:
     # every get fails, the request loops for ever (specs/conformance.md, H4).
     # kvstate computes instead (what lay before the failed block is kept).
     lookup_after_failed_load: bool = False
+    # A request whose next block another request's asynchronous load is
+    # filling: vLLM caches a loading block only once it landed, so a lookup
+    # now would load the same keys a second time into other blocks. kvstate
+    # answers "ask again" until the load landed (then vLLM's own prefix cache
+    # serves the block); upstream looks up and loads again.
+    defer_lookup_behind_loads: bool = True
     stride_origin: Callable[[int], int] = stride_absolute
     exists_keys: Callable[[tuple[str, ...]], tuple[str, ...]] = check_all
     after_raise: Callable[[Any], Any] = report_after_raise
@@ -422,6 +428,7 @@ E2 = attrs.evolve(
     call_timeout=None,
     defer_saves_over_loads=False,
     lookup_after_failed_load=True,
+    defer_lookup_behind_loads=False,
 )
 
 E1 = attrs.evolve(

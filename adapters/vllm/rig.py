@@ -27,7 +27,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +198,10 @@ class Rig:
         # vLLM's own rules: a transfer is finished once every rank reported it;
         # worker metadata and stats are aggregate()d across ranks.
         self.aggregator = KVOutputAggregator(len(self.workers))
+        # Called with each worker after its wait_for_save, before its
+        # get_finished: a harness waits there for the connector's threads
+        # (`adapters.vllm.load_conformance`).
+        self.settle: Callable[[Any], None] | None = None
 
     def _keep(self, events: Any) -> list[Any]:
         events = list(events)
@@ -273,6 +277,8 @@ class Rig:
             if not sync:
                 worker.start_load_kv(None)
             worker.wait_for_save()
+            if self.settle is not None:
+                self.settle(worker)
             out = KVConnectorOutput()
             results = worker.get_transfer_results(so.finished_req_ids)
             out.finished_sending = results.finished_sending

@@ -140,13 +140,15 @@ class SchedulerSide:
         tracker = self.planner.trackers.get(req_id)
         if tracker is not None and tracker.state is RequestState.PREEMPTED:
             return 0, False  # a resumption recomputes (see the module docstring)
-        if self.failed_loads.get(req_id) is request:
+        variant = self.planner.variant
+        if self.failed_loads.get(req_id) is request and not variant.lookup_after_failed_load:
             # Rescheduled after its load failed: computes (the module docstring).
             self.counters["lookups_skipped_after_failed_load"] += 1
             return 0, False
         hit = self.hits.get(req_id)
         if hit is None:
-            if self._next_block_loading(request, num_computed_tokens):
+            if (variant.defer_lookup_behind_loads
+                    and self._next_block_loading(request, num_computed_tokens)):
                 self.counters["lookups_deferred"] += 1
                 return None, False  # vLLM asks again next step (the module docstring)
             hit = self._lookup(request)

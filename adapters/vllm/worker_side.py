@@ -285,6 +285,11 @@ class WorkerSide:
                 self._to_receive.append(call)
             self._receive.set()
 
+    def loads_settled(self) -> bool:
+        """Has every load queued so far landed (announced or not)?"""
+        with self.lock:
+            return sum(self._receiving.values()) == len(self._landed)
+
     def take_landed_loads(self) -> set[str]:
         """``get_finished``: the requests whose every queued load landed
         since the last call. Their reports, observations and failed blocks
