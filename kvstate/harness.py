@@ -81,7 +81,7 @@ class EngineRequest:
     __slots__ = (
         "req_id", "prompt", "tokens", "max_new_tokens", "computed", "blocks", "chain",
         "sent_hashes", "status", "resume", "pending_load", "load_async", "lookup",
-        "hit", "transferred", "token_seed", "load_failed",
+        "hit", "transferred", "token_seed", "load_failed", "resume_hit",
     )
 
     def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
@@ -101,6 +101,7 @@ class EngineRequest:
         self.load_async = False
         self.lookup = False
         self.hit: int | None = None  # lookup answer, once asked
+        self.resume_hit: int | None = None  # the same, once per resumption
         self.transferred = False  # prompt KV arrived from a prefill engine (P/D)
         self.token_seed = req_id  # what decode tokens are derived from
         # Its asynchronous load failed: no second lookup or allocation (the
@@ -349,6 +350,7 @@ class Harness:
         req.sent_hashes = 0
         req.status = "waiting"
         req.resume = True
+        req.resume_hit = None
         if req in self.running:
             self.running.remove(req)
         self.waiting.appendleft(req)
@@ -372,18 +374,27 @@ class Harness:
         return tuple(out)
 
     def _admit(self, req: EngineRequest, budget: int) -> tuple[NewRequest | ResumedRequest, int] | None:
-        """Schedule a waiting request: a resumption recomputes everything it
-        knew; a new request may first look the store up and load a hit."""
+        """Schedule a waiting request: a resumption (looked up again, as vLLM
+        asks the connector again; loaded synchronously) recomputes what the
+        store does not hold; a new request may first look the store up and
+        load a hit."""
         config = self.config
         if req.resume:
-            n = min(len(req.tokens), budget)
-            if self._grow(req, n) is None:
+            hit = self._resume_lookup(req)
+            if hit and not any(req.blocks):
+                self._skip_window(req, hit)
+            n = min(len(req.tokens) - hit, budget)
+            if self._grow(req, hit + n) is None:
                 return None
+            if req.resume_hit is not None:
+                self._allocate(req, hit, False)
             req.resume = False
+            req.resume_hit = None
             req.status = "running"
+            req.computed = hit
             req.chain = HashChain(config.hash_block, hash_fn=self.hash_fn)
-            hashes = tuple(req.chain.extend(req.tokens[:n]))
-            return ResumedRequest(req.req_id, tuple(req.tokens), 0, n,
+            hashes = tuple(req.chain.extend(req.tokens[:hit + n]))
+            return ResumedRequest(req.req_id, tuple(req.tokens), hit, n,
                                   tuple(tuple(t) for t in req.blocks), hashes), n
         if req.transferred:
             return self._admit_transferred(req)
@@ -425,6 +436,22 @@ class Harness:
         hashes = tuple(req.chain.extend(req.tokens[:hit + n]))
         return NewRequest(req.req_id, req.prompt, hit, n,
                           tuple(tuple(t) for t in req.blocks), hashes), n
+
+    def _resume_lookup(self, req: EngineRequest) -> int:
+        """A preempted request's lookup when it is re-admitted, once per
+        resumption (the answer kept while it waits for blocks); none after
+        a failed load (the connector's rule, as for a new request)."""
+        if not req.lookup or req.load_failed:
+            return 0
+        if req.resume_hit is None:
+            tokens = req.tokens
+            hashes_all = HashChain(self.config.hash_block, tokens, self.hash_fn).hashes
+            query = self.planner.lookup(req.req_id, len(tokens), hashes_all)
+            present = tuple(self.store.exists(-1, query.keys))
+            req.resume_hit = self.planner.lookup_answered(query, present)
+            self.observe(LookupDone(req.req_id, query.generation, len(tokens),
+                                    tuple(hashes_all), query.keys, present, req.resume_hit))
+        return req.resume_hit
 
     def _skip_window(self, req: EngineRequest, hit: int) -> None:
         """vLLM's ``SlidingWindowManager`` on an external hit: the blocks
@@ -507,10 +534,10 @@ class Harness:
                 self._recover_async_load(req, set(result.failed_block_ids))
                 continue
             # The engine recomputes exactly the blocks reported as failed.
-            chain = HashChain(self.config.hash_block, req.prompt, self.hash_fn)
+            chain = HashChain(self.config.hash_block, req.tokens, self.hash_fn)
             for table in req.blocks:
                 for idx, block in enumerate(table):
-                    if block in result.failed_block_ids and (idx + 1) * bs <= len(req.prompt):
+                    if block in result.failed_block_ids and (idx + 1) * bs <= len(req.tokens):
                         self.pool.write(
                             block, chunk_hash(chain.hashes, idx, self.config.hashes_per_block).hex())
             if req.status == "parked":

@@ -188,7 +188,9 @@ class Planner:
     def lookup(self, req_id: str, prompt_len: int, block_hashes: Sequence[bytes]) -> LookupQuery:
         """Start a lookup (``get_num_new_matched_tokens`` while it is pending)."""
         tracker = self.trackers.get(req_id)
-        if tracker is None or tracker.state is RequestState.FINISHED:
+        if tracker is None or tracker.state in (RequestState.FINISHED, RequestState.PREEMPTED):
+            # A preempted request's generation ended at the preemption; its
+            # resumption's starts here and `_resume` takes it over.
             tracker = self.trackers[req_id] = self._new_tracker(req_id)
         tracker.fire(_RE.LOOKUP_STARTED)
         tracker.hashes = list(block_hashes)
@@ -516,17 +518,29 @@ class Planner:
         config = self.config
         for res in resumed:
             old = self.trackers.get(res.req_id)
-            if old is None or old.state is not RequestState.PREEMPTED:
+            if old is not None and old.state is RequestState.LOAD_PARKED:
                 out.violations.append(Violation(
-                    "S23", f"resumption of request {res.req_id!r} that was not preempted "
-                    f"(state {old.state.name if old else 'unknown'})"))
-                if old is not None and not old.ended:
-                    self._end_generation(old, "preempted", out.pins, out.releases)
-            tracker = self.trackers[res.req_id] = self._new_tracker(res.req_id)
+                    "S13", f"request {res.req_id!r} resumed while parked for a load"))
+                old.fire(_RE.LOAD_FINISHED)
+            if old is not None and old.state is RequestState.ALLOCATED:
+                # Looked up (and possibly loaded) when vLLM re-admitted it:
+                # the generation the lookup started resumes.
+                tracker = old
+                old = None
+            else:
+                if old is None or old.state is not RequestState.PREEMPTED:
+                    out.violations.append(Violation(
+                        "S23", f"resumption of request {res.req_id!r} that was not preempted "
+                        f"(state {old.state.name if old else 'unknown'})"))
+                    if old is not None and not old.ended:
+                        self._end_generation(old, "preempted", out.pins, out.releases)
+                tracker = self.trackers[res.req_id] = self._new_tracker(res.req_id)
             tracker.fire(_RE.RESUME)
             out.started.append(GenerationStart(
                 res.req_id, tracker.generation, "resumed",
                 old.prefill_end if old else len(res.all_token_ids)))
+            loading = tracker.can_load
+            tracker.can_load = False
             tracker.token_len = res.num_computed_tokens + res.num_scheduled_tokens
             tracker.block_ids = [list(t) for t in res.block_ids]
             tracker.hashes = list(res.block_hashes)
@@ -538,7 +552,8 @@ class Planner:
             tracker.fire(_RE.SCHEDULE_DECODE if is_decode else _RE.SCHEDULE_PREFILL)
             if config.is_consumer and not (config.save_decode_cache and is_decode):
                 continue
-            skip = bool(self._loading) and self._reads_loading(tracker)
+            skip = self.variant.skip_on_loading_step(loading) or (
+                bool(self._loading) and self._reads_loading(tracker))
             self._maybe_save(tracker, skip, is_decode, out.saves, out.pins)
 
     def _blocks_loading(self) -> frozenset[tuple[int, int]]:

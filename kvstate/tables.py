@@ -166,6 +166,9 @@ REQUEST_TABLE: dict[RequestState, dict[RequestEvent, RequestState]] = {
         # Upstream's only (H4): vLLM freed the blocks of a load whose first
         # block failed and asks again; kvstate computes instead (K8).
         _RE.LOOKUP_STARTED: _R.LOOKUP_PENDING,
+        # A preempted request looked up again when vLLM re-admits it: its
+        # next generation starts at the lookup and resumes from here.
+        _RE.RESUME: _R.RESUMED,
         _RE.FINISH: _R.FINISHED,
     },
     _R.LOAD_PARKED: {_RE.LOAD_FINISHED: _R.ALLOCATED, _RE.FINISH: _R.FINISHED},

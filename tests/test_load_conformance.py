@@ -19,6 +19,8 @@ from collections import Counter
 
 import pytest
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.store")
 
@@ -28,8 +30,6 @@ from adapters.vllm.load_conformance import SCENARIOS, compare  # noqa: E402
 # Where upstream itself is wrong (specs/conformance.md): e2 is not asked to
 # copy a crash, a livelock or a silent corruption.
 HAZARDS = {"sync-load": "H5", "short-read": "H6"}
-# Where e2 still differs, deliberately or not yet (specs/conformance.md).
-KNOWN = {"preempted-resumes": "D7"}
 
 
 def run_side(master: Master, side: str, scenarios: list[str] | None = None) -> dict:
@@ -64,7 +64,7 @@ def loads_of(record: dict) -> Counter:
     return Counter((rank, name) for step in record["steps"] for rank, name, _ in step["gets"])
 
 
-@pytest.mark.parametrize("name", sorted(set(SCENARIOS) - set(HAZARDS) - set(KNOWN)))
+@pytest.mark.parametrize("name", sorted(set(SCENARIOS) - set(HAZARDS)))
 def test_e2_loads_and_recovers_step_for_step_as_upstream(records, name) -> None:
     upstream, e2 = records["upstream"][name], records["e2"][name]
     assert compare(upstream, e2) is None, compare(upstream, e2)
@@ -158,3 +158,16 @@ def test_the_comparison_sees_the_default_protocols_deliberate_differences(record
     shared = compare(records["upstream"]["two-requests-one-prefix"],
                      records["kvstate"]["two-requests-one-prefix"])
     assert shared is not None and shared.field == "waiting_for_remote_kv", shared
+
+
+def test_a_preempted_request_is_looked_up_again_and_loads_what_it_saved(records) -> None:
+    """`s` is preempted when the pool runs dry, its prompt blocks already
+    saved; when vLLM re-admits it, every side looks it up again and loads
+    the block vLLM's own cache lost meanwhile instead of recomputing it."""
+    for side in ("upstream", "e2", "kvstate"):
+        steps = records[side]["preempted-resumes"]["steps"]
+        computed_before = [s["computed"].get("s") for s in steps]
+        preempted = next(i for i in range(1, len(steps))
+                         if computed_before[i - 1] and computed_before[i] == 0)
+        later = [g for s in steps[preempted:] for g in s["gets"] if g[1].startswith("s#")]
+        assert later and all(answer > 0 for _, _, answer in later), (side, later)

@@ -763,7 +763,9 @@ def test_bench_modelcheck_reports_both_engines_on_the_same_states() -> None:
     from sim.bench import bench_modelcheck
 
     figures = bench_modelcheck("tiny", max_states=300, workers=[2])
-    assert figures["same_counts"] and figures["states"] == 300
+    # The cap is checked between expansions: the last state expanded may add
+    # a few successors past it (every engine the same, hence same_counts).
+    assert figures["same_counts"] and 300 <= figures["states"] < 320
     assert figures["ratio_compact_w1_to_legacy"] > 0 and "ratio_compact_w2_to_legacy" in figures
     # the phases of a transition: each took time, together not more than the run
     shares = [figures[f"phase_{p}_share"] for p in ("copy", "step", "digest", "store")]

@@ -206,9 +206,13 @@ def test_router_counts_orphans_and_prefix_hits() -> None:
     good = simulate(attrs.evolve(SMALL, faults=()))
     assert good.ok and good.figures["consumer_orphans_rejected"] == 0
     assert good.figures["mean_prefix_hit_chunks"] > 0
-    bad = simulate(attrs.evolve(SMALL, faults=(), protocol="parent-previous-emitted"),
-                   stop_at_first=False)
-    assert bad.figures["consumer_orphans_rejected"] > 0
+    # Whether the router is asked for a chunk whose wrong parent it never
+    # saw depends on the arrivals (seed 0 breaks S15 hundreds of times and
+    # routes none such since resumed requests load their prefix): two seeds.
+    rejected = [simulate(attrs.evolve(SMALL, faults=(), protocol="parent-previous-emitted",
+                                      seed=seed), stop_at_first=False
+                         ).figures["consumer_orphans_rejected"] for seed in (0, 1)]
+    assert sum(rejected) > 0, rejected
 
 
 def test_trace_coverage_replays_every_machine_and_colours_the_diagram(capsys) -> None:

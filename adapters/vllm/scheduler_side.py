@@ -26,7 +26,9 @@ planner's inputs and applies its outputs to the engine:
   settles them (releases, KV events at quorum).
 - Lookups run here, against the store, with the scheduler's own small
   Mooncake client: every rank namespace must hold every chunk (S20). A
-  resumed request recomputes instead of loading (a documented limit).
+  preempted request is looked up again when vLLM re-admits it (as upstream
+  does): its next generation starts at that lookup (`resuming`) and the
+  step that resumes it takes the generation over, load and all.
 - Loads are asynchronous by default (``kvstate_load_async``): vLLM parks the
   request in ``WAITING_FOR_REMOTE_KVS`` until every rank reported the load
   through ``get_finished``, and caches its blocks only then, so no other
@@ -109,6 +111,9 @@ class SchedulerSide:
         # Requests (by id, with the Request object: an id reused later is
         # another request) whose load failed: they get no lookup again.
         self.failed_loads: dict[str, Any] = {}
+        # Preempted requests looked up on re-admission, until the step that
+        # resumes them (vLLM's v2 runner lists a resumption as a new request).
+        self.resuming: set[str] = set()
         # Asynchronous loads in flight: the block hash (a block's last hash)
         # of each block one fills -> the request loading it, and the reverse.
         self.loading_blocks: dict[bytes, str] = {}
@@ -137,9 +142,6 @@ class SchedulerSide:
             return 0, False
         if req_id in self.finishing:
             return 0, False  # the id's previous request is not closed yet (see finished())
-        tracker = self.planner.trackers.get(req_id)
-        if tracker is not None and tracker.state is RequestState.PREEMPTED:
-            return 0, False  # a resumption recomputes (see the module docstring)
         variant = self.planner.variant
         if self.failed_loads.get(req_id) is request and not variant.lookup_after_failed_load:
             # Rescheduled after its load failed: computes (the module docstring).
@@ -193,6 +195,9 @@ class SchedulerSide:
 
     def _lookup(self, request: Any) -> int:
         req_id = request.request_id
+        tracker = self.planner.trackers.get(req_id)
+        if tracker is not None and tracker.state is RequestState.PREEMPTED:
+            self.resuming.add(req_id)
         hashes = tuple(request.block_hashes)
         prompt_len = request.num_tokens
         query = self.planner.lookup(req_id, prompt_len, hashes)
@@ -249,6 +254,7 @@ class SchedulerSide:
         never a mixed-up generation) and its new generation starts from the
         step's new-request record, after the old one ended."""
         self.finishing.add(req_id)
+        self.resuming.discard(req_id)
 
     # ------------------------------------------------------------------
     # build_connector_meta.
@@ -298,8 +304,10 @@ class SchedulerSide:
             self.sent_hashes[req_id] = len(hashes)
             table = _table(data.block_ids, groups)
             tracker = trackers.get(req_id)
-            if tracker is not None and tracker.state is RequestState.PREEMPTED:
+            if (tracker is not None and tracker.state is RequestState.PREEMPTED
+                    or req_id in self.resuming):
                 # vLLM's other resume shape: a preempted request scheduled as new.
+                self.resuming.discard(req_id)
                 resumed.append(ResumedRequest(req_id, tuple(request.all_token_ids),
                                               data.num_computed_tokens, scheduled[req_id],
                                               table, hashes))
@@ -314,6 +322,7 @@ class SchedulerSide:
             computed = cd.num_computed_tokens[i]
             hashes_all = request.block_hashes
             if req_id in cd.resumed_req_ids:
+                self.resuming.discard(req_id)
                 self.sent_hashes[req_id] = len(hashes_all)
                 resumed.append(ResumedRequest(req_id, tuple(request.all_token_ids), computed,
                                               scheduled[req_id], _table(cd.new_block_ids[i], groups),
