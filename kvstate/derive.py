@@ -8,12 +8,14 @@ monitor or the replayer sees a record, by the rules kvstate's own planner
 numbers lifetimes with (`kvstate.planner.Planner._new_tracker` and its
 callers), per engine, one counter from 1:
 
-* a lookup or an allocation of a request id with no open lifetime opens one
-  (the lookup feeds the lifetime that will be scheduled);
+* a lookup or an allocation of a request id with no open lifetime, or whose
+  lifetime was preempted, opens one (the lookup feeds the lifetime that will
+  be scheduled or resumed);
 * scheduling a request id as new opens one unless a lookup or allocation
   already did (a request id still running gets a new one: K2's hazard, the
   old one is finished);
-* a resumption always opens one;
+* a resumption opens one unless a lookup or allocation since the
+  preemption already did;
 * a finish closes the request id's lifetime; a preemption marks it;
 * a save job belongs to the lifetime its plan was built in; a job start,
   put, verdict or report to its job; a load to the request's open lifetime,
@@ -96,7 +98,7 @@ class _Lifetimes:
 
     def lookup(self, req_id: str) -> int:
         entry = self.open.get(req_id)
-        if entry is None:
+        if entry is None or entry[1] == _PREEMPTED:
             return self._start(req_id, _PENDING)
         return int(entry[0])
 
@@ -122,7 +124,11 @@ class _Lifetimes:
             else:
                 entry[1] = _RUNNING
         for res in step.resumed:
-            self._start(res.req_id, _RUNNING)
+            entry = self.open.get(res.req_id)
+            if entry is not None and entry[1] == _PENDING:
+                entry[1] = _RUNNING  # looked up on re-admission: that lifetime resumes
+            else:
+                self._start(res.req_id, _RUNNING)
         self.ended = (tuple(preempted), tuple(finished))
 
     def current(self, req_id: str, where: str, field: str) -> int:
