@@ -81,7 +81,7 @@ class EngineRequest:
     __slots__ = (
         "req_id", "prompt", "tokens", "max_new_tokens", "computed", "blocks", "chain",
         "sent_hashes", "status", "resume", "pending_load", "load_async", "lookup",
-        "hit", "transferred", "token_seed", "load_failed", "resume_hit",
+        "hit", "transferred", "token_seed", "load_failed", "resume_hit", "rewind",
     )
 
     def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
@@ -102,6 +102,9 @@ class EngineRequest:
         self.lookup = False
         self.hit: int | None = None  # lookup answer, once asked
         self.resume_hit: int | None = None  # the same, once per resumption
+        # A synchronous load of this step failed: (first failed position,
+        # tokens before the step's forward), applied after the forward.
+        self.rewind: tuple[int, int] | None = None
         self.transferred = False  # prompt KV arrived from a prefill engine (P/D)
         self.token_seed = req_id  # what decode tokens are derived from
         # Its asynchronous load failed: no second lookup or allocation (the
@@ -292,7 +295,10 @@ class Harness:
                 index += 1
                 continue
             ids = tuple(req.tokens[req.computed:req.computed + n])
-            fresh = tuple(req.chain.extend(ids))
+            # After a rewind the chain already holds the recomputed tokens.
+            hashed = req.chain.num_tokens
+            fresh = tuple(req.chain.extend(req.tokens[hashed:req.computed + n])
+                          if req.computed + n > hashed else ())
             cached.append(CachedRequest(req.req_id, req.computed, ids, new_blocks, fresh))
             budget -= n
             forward.append((req, n))
@@ -336,6 +342,8 @@ class Harness:
         self._finish_loads()
         for req, n in forward:
             self._forward(req, n)
+            if req.rewind is not None:
+                self._rewind(req)
         self.now += 1.0
         return plan
 
@@ -529,10 +537,15 @@ class Harness:
             req = self.requests.get(result.req_id)
             if req is None:
                 continue
-            if (req.status == "parked" and result.failed_block_ids
-                    and len(self.config.groups) == 1):
-                self._recover_async_load(req, set(result.failed_block_ids))
-                continue
+            if result.failed_block_ids and len(self.config.groups) == 1:
+                if req.status == "parked":
+                    self._recover_async_load(req, set(result.failed_block_ids))
+                    continue
+                if req.status == "running":
+                    failed = set(result.failed_block_ids)
+                    first = min(i for i, b in enumerate(req.blocks[0]) if b in failed)
+                    req.rewind = (first * bs, len(req.tokens))
+                    continue
             # The engine recomputes exactly the blocks reported as failed.
             chain = HashChain(self.config.hash_block, req.tokens, self.hash_fn)
             for table in req.blocks:
@@ -542,6 +555,25 @@ class Harness:
                             block, chunk_hash(chain.hashes, idx, self.config.hashes_per_block).hex())
             if req.status == "parked":
                 req.status = "waiting"  # pending_load stays set: admitted from the hit
+
+    def _rewind(self, req: EngineRequest) -> None:
+        """vLLM 0.33's recovery of a failed synchronous load (policy
+        ``recompute``): the forward pass ran over the failed blocks, so what
+        it computed from the first failed block on is wrong (the blocks hold
+        no valid KV: written empty, as a poisoned block) and its sampled
+        token is dropped; ``num_computed_tokens`` is cut to the first failed
+        block and the next step recomputes from there (a running request
+        whose computed count went backwards: the planner's rewind)."""
+        assert req.rewind is not None
+        position, tokens = req.rewind
+        req.rewind = None
+        bs = self.config.block_size
+        for idx in range(position // bs, cdiv(req.computed, bs)):
+            for table in req.blocks:
+                if idx < len(table):
+                    self.pool.write(table[idx], "")
+        del req.tokens[tokens:]
+        req.computed = min(req.computed, position)
 
     def _recover_async_load(self, req: EngineRequest, failed: set[int]) -> None:
         """vLLM 0.33's recovery of a failed asynchronous load (policy

@@ -62,6 +62,11 @@ class HashChain:
         self._hash_fn = hash_fn or block_hash
         self.extend(tokens)
 
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens the chain has taken so far."""
+        return len(self.hashes) * self.hash_block_size + len(self._pending)
+
     def extend(self, tokens: Sequence[int]) -> list[bytes]:
         """Append tokens; return the hashes of the blocks they completed."""
         new: list[bytes] = []

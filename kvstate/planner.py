@@ -479,7 +479,7 @@ class Planner:
             else:
                 tracker.fire(_RE.SCHEDULE_PREFILL)
             computed = cached.num_computed_tokens
-            if computed < tracker.token_len:
+            if computed < tracker.token_len and variant.follow_rewinds:
                 # vLLM rewound the request: a load failed and
                 # kv_load_failure_policy=recompute set num_computed_tokens back
                 # to the first failed block, so this step recomputes from

@@ -268,6 +268,18 @@ def load_async_partial(variant: str | Variant) -> Harness:
                                   MemoryStore(answers), load_async=True)
 
 
+@scenario("load-sync-partial")
+def load_sync_partial(variant: str | Variant) -> Harness:
+    """As load-async-partial with a synchronous load: the forward pass runs
+    over the failed block, so vLLM cuts the request back to it after the
+    step and it recomputes from there (its computed count goes backwards
+    while it runs: the planner must not plan saves past what is computed,
+    S7)."""
+    answers = ScriptedAnswers().when("get", 1, lambda n, k: n == 1, StoreCode.OBJECT_NOT_FOUND)
+    return _stored_then_looked_up(variant, ConnectorConfig(block_size=4, world_size=2),
+                                  MemoryStore(answers))
+
+
 @scenario("lookup-partial-namespace")
 def lookup_partial_namespace(variant: str | Variant) -> Harness:
     """Only rank 0's namespace holds the prompt (rank 1's puts failed); a

@@ -386,6 +386,12 @@ class Variant:
     # answers "ask again" until the load landed (then vLLM's own prefix cache
     # serves the block); upstream looks up and loads again.
     defer_lookup_behind_loads: bool = True
+    # vLLM cuts a running request back to its first failed block after a
+    # failed synchronous load (or a partial one of an asynchronous load): the
+    # planner takes the step's computed count over its own (S7 otherwise;
+    # found in the real engine). Every protocol does; False only to show S7
+    # firing (tests/test_load_path.py).
+    follow_rewinds: bool = True
     stride_origin: Callable[[int], int] = stride_absolute
     exists_keys: Callable[[tuple[str, ...]], tuple[str, ...]] = check_all
     after_raise: Callable[[Any], Any] = report_after_raise

@@ -1,4 +1,4 @@
-"""The load path in the model: vLLM's recovery of a failed asynchronous load.
+"""The load path in the model: vLLM's recovery of a failed load.
 
 The harness plays vLLM 0.33's Scheduler as it recovers a parked request whose
 load failed (policy ``recompute``): the computed tokens are cut at the first
@@ -11,6 +11,8 @@ one load however the store fails). The same recovery runs for real in
 """
 
 from __future__ import annotations
+
+import attrs
 
 from kvstate.observations import Allocated, LookupDone, StepScheduled
 from kvstate.scenarios import SCENARIOS
@@ -83,3 +85,31 @@ def test_a_swallowed_load_error_fires_s19_in_both_recoveries() -> None:
         h = SCENARIOS[name]("swallow-load-errors")
         assert "S19" in h.monitor.fired(), name
         assert admissions(h, "b") == [(8, 4)]
+
+
+def test_a_failed_synchronous_load_rewinds_the_running_request(tmp_path) -> None:
+    """vLLM 0.33 with a synchronous load: the forward pass ran over the
+    failed block, so after the step the request is cut back to it and the
+    next step recomputes from there, as a running request whose computed
+    count went backwards. Both protocols follow it without planning a save
+    past what is computed."""
+    for variant in ("kvstate", "e2"):
+        h = SCENARIOS["load-sync-partial"](variant)
+        assert h.monitor.findings == [], variant
+        assert admissions(h, "b") == [(8, 4)]
+        rewound = [(c.num_computed_tokens, len(c.new_token_ids)) for obs in h.log
+                   if isinstance(obs, StepScheduled) for c in obs.step.cached if c.req_id == "b"]
+        assert rewound[0] == (4, 8), rewound  # from the failed block to the prompt's end
+        assert sorted(h.finished) == ["a", "b"]
+    assert_trace_checks_and_replays(SCENARIOS["load-sync-partial"]("kvstate"), tmp_path)
+
+
+def test_a_planner_that_ignores_the_rewind_saves_what_is_not_computed() -> None:
+    """Negative control: a planner that keeps counting from its own length
+    (as if vLLM had not cut the request back) plans a save of tokens not
+    computed yet; S7 names it."""
+    from kvstate.variants import KVSTATE
+
+    h = SCENARIOS["load-sync-partial"](attrs.evolve(KVSTATE, name="ignores-rewinds",
+                                                    follow_rewinds=False))
+    assert "S7" in h.monitor.fired()

@@ -78,7 +78,8 @@ class GetFault:
     ``answer``: a negative Mooncake code returned for the key instead of
     reading it, ``"short"`` (the read stops halfway: half the bytes land and
     the count says so), ``"evict"`` (the key is removed just before the get,
-    so the store itself answers), ``"raise"`` (the whole batch call raises).
+    so the store itself answers), ``"raise"`` (the whole batch call raises),
+    ``"slow"`` (the batch call takes `SLOW_GET` seconds, then reads).
     ``times``: how many gets it spoils before the key serves again (``None``:
     all of them)."""
 
@@ -107,6 +108,8 @@ class Scenario:
     load_async: bool = True
     num_blocks: int = 64
     max_steps: int = 60
+    # How long a step waits for the connectors' threads (L2).
+    settle_timeout: float = 30.0
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -137,6 +140,9 @@ def _scenarios() -> dict[str, Scenario]:
         Scenario("evicted-before-get", stored, one, (GetFault("w", 4, "evict"),)),
         Scenario("short-read", stored, one, (GetFault("w", 2, "short"),)),
         Scenario("get-raises", stored, one, (GetFault("w", 1, "raise"),)),
+        # A get slower than the step waits for: L2 fires on every side (the
+        # check's own negative control; a real engine just waits longer).
+        Scenario("slow-get", stored, one, (GetFault("w", 1, "slow"),), settle_timeout=1.0),
         Scenario("abort-while-loading", stored, one, aborts=((1, "r"),)),
         Scenario("sync-load", stored, one, load_async=False),
         # A running request is preempted when the pool runs dry and resumes
@@ -155,6 +161,7 @@ def _scenarios() -> dict[str, Scenario]:
 
 
 SCENARIOS = _scenarios()
+SLOW_GET = 3.0  # seconds; above slow-get's settle_timeout, below kvstate_store_timeout (5 s)
 
 
 # ----------------------------------------------------------------------
@@ -215,10 +222,12 @@ class StoreScript:
                 for key in keys:
                     script.gets.append((*script.label(key), "raised"))
                 raise RuntimeError("scripted store: batch_get_into_multi_buffers raised")
+            if "slow" in spoiled:
+                time.sleep(SLOW_GET)
             for key, answer in zip(keys, spoiled):
                 if answer == "evict":
                     store.remove(key, True)
-            real = [i for i, a in enumerate(spoiled) if a is None or a in ("short", "evict")]
+            real = [i for i, a in enumerate(spoiled) if a is None or isinstance(a, str)]
             got: dict[int, int] = {}
             if real:
                 answers = real_get(store, [keys[i] for i in real], [ptrs[i] for i in real],
@@ -359,8 +368,8 @@ def run_scenario(scenario: Scenario, side: str, model_dir: str) -> dict[str, Any
         stuck: list[str] = []
 
         def settle(worker: Any) -> None:
-            if not _settle_worker(worker):
-                stuck.append("a load or save did not finish within 30 s")
+            if not _settle_worker(worker, scenario.settle_timeout):
+                stuck.append(f"a load or save did not finish within {scenario.settle_timeout} s")
 
         reader.settle = settle
         with script.installed():
@@ -427,6 +436,46 @@ def run_scenario(scenario: Scenario, side: str, model_dir: str) -> dict[str, Any
 
 
 _KEPT: list[Any] = []
+
+
+# ----------------------------------------------------------------------
+# What every load path owes the engine, whatever the store does.
+
+PROPERTIES = {
+    "L1": "nothing escapes a connector callback into the engine",
+    "L2": "every load ends (the connector's threads finish what a step queued)",
+    "L3": "every computed block holds its prefix's KV (no block taken as loaded that was not)",
+    "L4": "every request not aborted finishes (no request loops on a failing load)",
+    "L5": "with kv_load_failure_policy=fail, a request whose load failed ends in that step "
+          "and leaves the scheduler with its blocks",
+}
+
+
+def broken_properties(record: dict[str, Any], scenario: Scenario) -> dict[str, str]:
+    """The `PROPERTIES` a side's record breaks, each with the first place it
+    does. Shown firing by upstream itself (H4: L4, H5: L1, H6: L3) and by
+    `swallow-load-errors` (L3), in tests/test_load_conformance.py."""
+    out: dict[str, str] = {}
+    if record["error"]:
+        out["L1"] = record["error"]
+    if record["stuck"]:
+        out["L2"] = record["stuck"]
+    for step in record["steps"]:
+        if step["corrupt"]:
+            out["L3"] = f"step {step['step']}: blocks {step['corrupt']}"
+            break
+    aborted = {req_id for _, req_id in scenario.aborts}
+    unfinished = sorted(set(record.get("unfinished", ())) - aborted)
+    if unfinished and not record["error"] and not record["stuck"]:
+        out["L4"] = f"{unfinished} unfinished after {len(record['steps'])} steps"
+    if scenario.policy == "fail":
+        for step in record["steps"]:
+            if step["load_errors"] and (not step["finished"] or any(
+                    r in step["computed"] for r in step["finished"])):
+                out["L5"] = (f"step {step['step']}: load errors {step['load_errors']}, "
+                             f"finished {step['finished']}, still held {step['computed']}")
+                break
+    return out
 
 
 # ----------------------------------------------------------------------
