@@ -100,6 +100,17 @@ def test_a_full_disk_names_the_file(capsys) -> None:
     (["modelcheck", "--scope", "tiny", "--protocol", "e2", "--workers", "1",
       "--out-dir", "{file}/below"], ["--out-dir", "is not a directory"]),
     (["modelcheck", "--scope", ""], ["unknown scope ''"]),
+    # Issue 32, class 3: destinations root may "access" but nobody can write
+    # (os.access says yes to root for /proc), and a directory as a
+    # checkpoint file, used to be found only when the first write failed.
+    (["fuzz", "--protocol", "e2", "--budget", "30", "--out-dir", "/proc/kvstate-x"],
+     ["--out-dir /proc/kvstate-x: "]),
+    (["sim", "--requests", "3", "--trace", "/proc/kvstate-x.jsonl"],
+     ["--trace /proc/kvstate-x.jsonl: "]),
+    (["modelcheck", "--scope", "default", "--budget", "30", "--checkpoint", "{dir}"],
+     ["--checkpoint", "is a directory"]),
+    (["modelcheck", "--scope", "default", "--budget", "30", "--checkpoint", "/proc/kvstate-ck"],
+     ["--checkpoint /proc/kvstate-ck: "]),
 ])
 def test_an_output_that_cannot_be_written_is_refused_before_the_work(
         tmp_path: Path, capsys, argv: list[str], words: list[str]) -> None:
@@ -281,3 +292,13 @@ def test_trace_observed_refuses_to_write_over_the_trace_it_reads(tmp_path, capsy
         assert "that is the trace being read" in capsys.readouterr().err
     assert trace.read_bytes() == before
     assert main(["trace", "observed", str(trace), "-o", str(tmp_path / "cut.jsonl")]) == 0
+
+
+def test_a_checkpoint_not_written_because_the_search_ended_says_so(tmp_path, capsys) -> None:
+    """Issue 32, class 3: an exhaustive search given --checkpoint used to
+    exit 0 writing nothing and saying nothing about it."""
+    path = tmp_path / "ck.bin"
+    assert main(["modelcheck", "--scope", "tiny", "--checkpoint", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint: none written to {path} (the search ended" in out
+    assert not path.exists()

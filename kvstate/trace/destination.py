@@ -9,6 +9,7 @@ answers.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -23,4 +24,18 @@ def unwritable(path: str) -> str | None:
         return f"no directory {str(parent)!r}"
     if out.exists():
         return None if os.access(out, os.W_OK) else "not writable"
-    return None if os.access(parent, os.W_OK) else f"directory {str(parent)!r} is not writable"
+    if not os.access(parent, os.W_OK):
+        return f"directory {str(parent)!r} is not writable"
+    return cannot_create_in(parent)
+
+
+def cannot_create_in(directory: str | Path) -> str | None:
+    """Why no file can be created in ``directory`` (``None`` when one can),
+    found by creating and removing one: ``os.access`` answers yes to root
+    for every directory, ``/proc`` and read-only mounts included."""
+    try:
+        with tempfile.TemporaryFile(dir=directory, prefix=".kvstate-probe-"):
+            pass
+    except OSError as e:
+        return f"no file can be created in {str(directory)!r} ({e.strerror or e})"
+    return None

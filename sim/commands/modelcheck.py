@@ -14,7 +14,7 @@ from typing import Any
 from sim.commands.errors import UsageError
 from sim.commands.options import add_protocols, positive_float, positive_int, ray_cluster
 from sim.commands.output import envelope
-from sim.commands.paths import output_dir
+from sim.commands.paths import output_dir, output_file
 from sim.commands.progress import Bar, add_progress_option, progress_for
 
 
@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if len(names) * len(protocols) != 1:
             raise UsageError("--checkpoint holds one search: give one --scope (not all) and "
                              "one --protocol")
+        output_file(args.checkpoint, "--checkpoint")
     with ray_cluster(args.ray) as cluster:
         if args.workers is not None:
             workers = args.workers
@@ -168,6 +169,9 @@ def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str],
                 if _goes_on(r, checkpoint):
                     print(f"  checkpoint: {checkpoint} (go on: kvstate modelcheck --resume "
                           f"{shlex.quote(checkpoint)})")
+                elif checkpoint is not None:
+                    print(f"  checkpoint: none written to {checkpoint} (the search ended: "
+                          "nothing to go on from)")
                 if r.violation:
                     v = r.violation
                     print(f"  VIOLATION {v.invariant}: {v.message}")

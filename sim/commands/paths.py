@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from kvstate.trace.destination import unwritable
+from kvstate.trace.destination import cannot_create_in, unwritable
 from sim.commands.errors import UsageError
 
 
@@ -53,6 +53,9 @@ def output_dir(path: str, option: str) -> Path:
         raise UsageError(f"{option} {path}: {str(existing)!r} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {path}: directory {str(existing)!r} is not writable")
+    why = cannot_create_in(existing)
+    if why is not None:
+        raise UsageError(f"{option} {path}: {why}")
     return out
 
 
