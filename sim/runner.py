@@ -71,12 +71,15 @@ WINDOW = 4000  # observations kept for a violation's causal window
 # times: a hostile header must not buy unbounded work) and its configs inside
 # the trace format's `kvstate.trace.LIMITS`.
 OPTION_LIMITS: dict[str, float] = {
-    "seed": 1 << 63, "requests": 100_000, "rate": 1e9, "scale": 1 << 20, "world_size": 64,
+    "seed": (1 << 63) - 1, "requests": 100_000, "rate": 1e9, "scale": 1 << 20, "world_size": 64,
     "put_step": 64, "block_size": 4096, "num_blocks": 1 << 20, "store_capacity": 1 << 24,
     "token_budget": 1 << 20, "settle_time": 1e6, "max_model_len": 1 << 30,
     "alignment": 1 << 20,
 }
 OPTION_ZERO = {"seed", "max_model_len", "alignment"}  # integer options where 0 is meaningful
+# Where a simulator bound is tighter than the trace format's, the message says so.
+OPTION_WHY = {"world_size": " (the simulator's bound: every simulated rank costs time; a "
+              "trace from an engine may name up to 1024 ranks)"}
 
 
 @attrs.frozen(slots=True)
@@ -134,7 +137,7 @@ def out_of_range(name: str, value: float) -> str | None:
         return None
     low = 0 if name in OPTION_ZERO else 1
     if not low <= value <= limit:
-        return f"expected an integer in [{low}, {limit:.0f}]"
+        return f"expected an integer in [{low}, {int(limit)}]" + OPTION_WHY.get(name, "")
     return None
 
 

@@ -302,3 +302,51 @@ def test_a_checkpoint_not_written_because_the_search_ended_says_so(tmp_path, cap
     out = capsys.readouterr().out
     assert f"checkpoint: none written to {path} (the search ended" in out
     assert not path.exists()
+
+
+# --- Issue 32, class 7: limits that agree and messages that say what is wrong.
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["sim", "--seed", str(1 << 63)], ["--seed", f"[0, {(1 << 63) - 1}]"]),
+    (["sim", "--faults", "all,none"], ["'all' stands alone"]),
+    (["sim", "--faults", "preempt,none"], ["'none' stands alone"]),
+    (["sim", "--world-size", "1024"], ["the simulator's bound", "up to 1024 ranks"]),
+    (["sim", "--requests", "3", "--trace", "/proc/self/status"],
+     ["--trace /proc/self/status: no file can be created in '/proc/self'"]),
+    (["check", "--liveness-steps", str(10 ** 30), "{trace}"],
+     ["--liveness-steps", f"[1, {1 << 62}]"]),
+    (["check", "{bom}"], ["byte-order mark"]),
+    (["check", "{torn}"], ["truncated first line", "no trace to check"]),
+    (["real", "--master", ""], ["--master '': an empty address"]),
+])
+def test_limits_agree_and_messages_name_the_real_fault(tmp_path: Path, capsys, argv: list[str],
+                                                      words: list[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["sim", "--requests", "3", "--trace", str(trace)]) == 0
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + trace.read_bytes())
+    torn = tmp_path / "torn.jsonl"
+    torn.write_bytes(trace.read_bytes()[:20])
+    capsys.readouterr()
+    argv = [a.format(trace=trace, bom=bom, torn=torn) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusal of an option's value
+        code = exc.code
+    assert code == 2, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_a_header_and_the_option_refuse_the_same_liveness_bound(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["sim", "--requests", "3", "--trace", str(trace)]) == 0
+    lines = trace.read_text().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    header["liveness_steps"] = (1 << 62) + 1
+    trace.write_text(json.dumps(header) + "\n" + "".join(lines[1:]))
+    capsys.readouterr()
+    _refused(capsys, ["check", str(trace)], "liveness_steps", f"[1, {1 << 62}]")
+    assert main(["check", "--liveness-steps", str(1 << 62), str(tmp_path / "t.jsonl")]) == 2

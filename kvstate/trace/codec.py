@@ -343,6 +343,10 @@ def _reject_constant(name: str) -> Any:
 _JSON = json.JSONDecoder(parse_constant=_reject_constant)
 
 
+# A liveness bound past any trace's length (`liveness_steps`, header or option).
+LIVENESS_STEPS_MAX = 1 << 62
+
+
 def parse_json(text: str, where: str) -> Any:
     """``json.loads`` whose every failure is a ``TraceError``: invalid JSON,
     ``NaN``/``Infinity``, an integer too long to convert (Python refuses more
@@ -350,6 +354,10 @@ def parse_json(text: str, where: str) -> Any:
     try:
         return _JSON.decode(text)
     except json.JSONDecodeError as exc:
+        if text.startswith("\ufeff"):
+            raise TraceError(where, "", "starts with a UTF-8 byte-order mark (U+FEFF, as some "
+                             "editors save): JSON Lines has none; save the file without it"
+                             ) from None
         raise TraceError(where, "", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     except ValueError as exc:
         raise TraceError(where, "", f"invalid JSON ({exc})") from None
@@ -450,8 +458,9 @@ def read_header(text: str, where: str) -> dict[str, Any]:
         # and every hit on another writer's key would be blamed on the trace.
         raise TraceError(where, "store", f"{store!r} is not one of {', '.join(STORE_KINDS)}")
     steps = data.get("liveness_steps")
-    if steps is not None and not (type(steps) is int and 1 <= steps <= 1 << 62):
-        raise TraceError(where, "liveness_steps", f"expected an integer >= 1, got {steps!r}")
+    if steps is not None and not (type(steps) is int and 1 <= steps <= LIVENESS_STEPS_MAX):
+        raise TraceError(where, "liveness_steps",
+                         f"expected an integer in [1, {LIVENESS_STEPS_MAX}], got {steps!r}")
     none_hash = data.get("none_hash")
     if none_hash is not None:
         if not (type(none_hash) is str and 0 < len(none_hash) <= 128):

@@ -23,7 +23,11 @@ def unwritable(path: str) -> str | None:
     if not parent.is_dir():
         return f"no directory {str(parent)!r}"
     if out.exists():
-        return None if os.access(out, os.W_OK) else "not writable"
+        if not os.access(out, os.W_OK):
+            return "not writable"
+        # A regular file is replaced by one written beside it (a device is
+        # written in place), so its directory must take a new file.
+        return cannot_create_in(parent) if out.is_file() else None
     if not os.access(parent, os.W_OK):
         return f"directory {str(parent)!r} is not writable"
     return cannot_create_in(parent)

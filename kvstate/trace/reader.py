@@ -38,6 +38,10 @@ def iter_raw_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, bytes]]:
         if len(raw) > MAX_LINE_BYTES:
             raise TraceError(f"{name}:{number}", "", f"line longer than {MAX_LINE_BYTES} bytes")
         if raw[-1:] != b"\n":
+            if number == 1:
+                raise TraceError(f"{name}:1", "", "truncated first line (no newline): the "
+                                 "writer stopped before its header was whole; there is no "
+                                 "trace to check")
             raise TraceError(f"{name}:{number}", "", "truncated last line (no newline): the "
                              "writer stopped mid-line; the lines before it are whole, so "
                              f"`head -n {number - 1}` of the file gives a trace to check "

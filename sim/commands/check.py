@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from kvstate.invariants import INVARIANTS
-from sim.commands.options import positive_int
+from sim.commands.options import liveness_steps
 from sim.commands.output import envelope
 
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser("check", help="run the invariant monitors over a trace")
     parser.add_argument("trace")
-    parser.add_argument("--liveness-steps", type=positive_int, default=None,
+    parser.add_argument("--liveness-steps", type=liveness_steps, default=None,
                        help="where the trace ends, jobs and pins older than this many "
                        "steps are stuck (default: the header's liveness_steps, else 64)")
     parser.add_argument("--at-end", choices=("closed", "open"), default="closed",

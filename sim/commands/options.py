@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from kvstate.trace.codec import LIVENESS_STEPS_MAX
 from kvstate.variants import PLUGINS_ENV, VARIANTS, is_variant
 from sim.commands.errors import UsageError
 
@@ -43,6 +44,16 @@ positive_int = int_at_least(1)
 nonneg_int = int_at_least(0)
 
 
+def liveness_steps(text: str) -> int:
+    """``--liveness-steps``: the bound a trace header's ``liveness_steps``
+    has (`kvstate.trace.codec`), so the option and the header agree."""
+    value = positive_int(text)
+    if value > LIVENESS_STEPS_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer in [1, {LIVENESS_STEPS_MAX}], got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -61,6 +72,10 @@ def faults_arg(text: str) -> tuple[str, ...]:
     if text == "none":
         return ()
     sites = tuple(t.strip() for t in text.split(",") if t.strip())
+    for word in ("all", "none"):
+        if word in sites:
+            raise argparse.ArgumentTypeError(
+                f"{word!r} stands alone (--faults {word}), not in a list of sites: {text!r}")
     for site in sites:
         if site not in SITES:
             raise argparse.ArgumentTypeError(

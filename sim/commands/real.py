@@ -48,6 +48,10 @@ def _check_real_bounds(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    if args.master is not None and not args.master.strip():
+        raise UsageError("--master '': an empty address (leave the option out to start a "
+                         "master on a free loopback port)")
+
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvstate.blockhash import chain_hash_fn
 
