@@ -297,7 +297,9 @@ class Monitor:
         self.load_failed: dict[str, int] = {}
         self.current: dict[str, int] = {}
         self.jobs: dict[int, _Job] = {}
-        self.last_job_id = 0
+        # Job ids are integers >= 0 that strictly increase; the first may be
+        # 0 (upstream numbers from 0, kvstate from 1: neither is the contract).
+        self.last_job_id = -1
         self.step = 0  # the latest plan's step number
         self.quiescent = False  # the latest observation was a Quiescent line
         self.last_report: dict[int, int] = {}  # rank -> step of its latest report

@@ -15,6 +15,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from sim.commands import COMMANDS
 from sim.commands.errors import UsageError
@@ -23,8 +24,23 @@ from sim.commands.options import add_sim_options, options_from
 __all__ = ["UsageError", "add_sim_options", "build_parser", "main", "options_from"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's refusal of an option (exit 2) also prints the ``--json``
+    error object when the command line asks for JSON (`_json_error`)."""
+
+    wants_json = False
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.wants_json:
+            from sim.commands.output import envelope
+
+            print(envelope({"ok": False, "violations": [], "error": {"message": message}}),
+                  flush=True)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstate", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="kvstate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"sim.commands.{name}").register(sub)
@@ -33,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    _Parser.wants_json = "--json" in (sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     from kvstate.trace import TraceError
     from sim.coverage import CoverageError
@@ -43,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except (UsageError, TraceError, WorkloadError, CoverageError, MissingExtra) as exc:
         print(f"kvstate {args.command}: error: {exc}", file=sys.stderr)
+        _json_error(args, exc)
         return 2
     except BrokenPipeError:
         # Whoever read the output stopped reading (`| head`): nothing went
@@ -54,12 +72,37 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"kvstate {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        _json_error(args, exc)
         return 2
     except KeyboardInterrupt:
         # Ctrl-C: no traceback; what the command printed so far stands. 130 is
         # the shell's code for a process ended by SIGINT (128 + 2).
         print(f"kvstate {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _json_error(args: argparse.Namespace, exc: BaseException) -> None:
+    """With ``--json``, exit 2 prints an object too, so a tool reading
+    standard output gets the error (not nothing): ``ok`` false, no
+    violations, and ``error`` with the message and, where the error knows
+    them, the file (``where``: ``file:line`` for a trace) and ``field``."""
+    if not getattr(args, "json", False):
+        return
+    from sim.commands.output import envelope
+
+    error: dict[str, object] = {"message": getattr(exc, "message", None) or str(exc)}
+    for name in ("where", "field"):
+        value = getattr(exc, name, None)
+        if value:
+            error[name] = value
+    if isinstance(exc, OSError):
+        error["message"] = exc.strerror or str(exc)
+        if exc.filename:
+            error["where"] = str(exc.filename)
+    try:
+        print(envelope({"ok": False, "violations": [], "error": error}), flush=True)
+    except BrokenPipeError:
+        pass
 
 
 if __name__ == "__main__":

@@ -110,3 +110,50 @@ def test_readme_commands_and_ci_agree() -> None:
     test_command = blocks[1]
     assert "pytest" in test_command and "ruff" in test_command and "mypy" in test_command
     assert test_command in ci, ".ci/run must run the README's test command verbatim"
+
+
+def test_json_output_carries_the_error_when_a_command_exits_2(tmp_path, capsys) -> None:
+    """Issue 27: a tool reading `--json` got nothing on standard output when
+    the command refused its input; now an object with ``ok`` false and the
+    error (the file, line and field where the error knows them)."""
+    code, out = run_json(capsys, "check", str(tmp_path / "missing.jsonl"))
+    assert code == 2 and out["ok"] is False and out["violations"] == []
+    assert out["error"]["where"] == str(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kvstate_trace": 1, "configs": [{"block_size": "x"}]}\n')
+    code, out = run_json(capsys, "check", str(bad))
+    assert code == 2 and out["error"]["where"] == f"{bad}:1" and out["error"]["field"]
+    with pytest.raises(SystemExit) as exited:  # argparse's own refusal
+        main(["sim", "--seed", "-1", "--json"])
+    assert exited.value.code == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and "--seed" in out["error"]["message"]
+
+
+def _renumbered(trace: Path, shift: int) -> Path:
+    """The trace with every store job id moved by ``shift`` (the plans' and
+    the ranks' ``job_id`` fields and the settlements' released job lists)."""
+    def move(o):
+        if isinstance(o, dict):
+            return {k: (v + shift if k == "job_id" else [j + shift for j in v]
+                        if k == "released_jobs" else move(v)) for k, v in o.items()}
+        return [move(x) for x in o] if isinstance(o, list) else o
+
+    lines = trace.read_text().splitlines()
+    out = trace.with_name("renumbered.jsonl")
+    out.write_text("\n".join([lines[0]] + [json.dumps(move(json.loads(x))) for x in lines[1:]])
+                   + "\n")
+    return out
+
+
+def test_job_ids_numbered_from_zero_as_upstream_does_are_no_violation(tmp_path, capsys) -> None:
+    """Issue 27: a producer numbering store jobs from 0, as vLLM's connector
+    does, got a false S22 at its first job (kvstate numbers from 1, and the
+    checker had taken that for the contract)."""
+    trace = tmp_path / "t.jsonl"
+    assert main(["sim", "--requests", "20", "--faults", "none", "--trace", str(trace)]) == 0
+    capsys.readouterr()
+    zero = _renumbered(trace, -1)
+    assert '"job_id": 0' in zero.read_text()
+    code, out = run_json(capsys, "check", str(zero))
+    assert code == 0 and out["ok"] is True, out["violations"][:3]
