@@ -12,10 +12,14 @@ once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
-from typing import NoReturn
+import threading
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from sim.commands import COMMANDS
 from sim.commands.errors import UsageError
@@ -51,6 +55,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     _Parser.wants_json = "--json" in (sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    with _sigterm_unwinds():
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (a service manager, ``timeout``, ``kill``) unwinds the command
+    like an exception, exit 143 (128 + 15): ``finally`` blocks run, so a file
+    being written beside its destination is removed and worker pools and
+    started processes are ended, where the default action would kill the
+    process on the spot and leave them behind. Only from the main thread
+    (a signal handler can only be set there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code == 128 + signal.SIGTERM:
+            print(f"kvstate {sys.argv[1] if len(sys.argv) > 1 else ''}: terminated",
+                  file=sys.stderr)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     from kvstate.trace import TraceError
     from sim.coverage import CoverageError
     from sim.extras import MissingExtra

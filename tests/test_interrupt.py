@@ -110,3 +110,28 @@ def test_ctrl_c_stops_a_model_check_keeps_what_it_found_and_it_goes_on(
     run = json.loads(capsys.readouterr().out)["runs"][0]
     assert (run["states"], run["transitions"], run["depth"], run["exhaustive"]) == (
         whole.states, whole.transitions, whole.depth, True)
+
+
+def test_sigterm_leaves_no_partial_file_and_the_previous_trace_intact(tmp_path: Path) -> None:
+    """Issue 32, class 8: SIGTERM (a service manager, `timeout`) used to kill
+    `sim` on the spot, leaving its half-written `.partial` file beside the
+    destination. Now it unwinds like Ctrl-C: exit 143, nothing left behind,
+    the previous trace as it was."""
+    trace = tmp_path / "run.jsonl"
+    trace.write_text("previous\n")
+    partial = tmp_path / "run.jsonl.partial"
+    proc = _kvstate("sim", "--requests", "100000", "--trace", str(trace))
+    try:
+        deadline = time.monotonic() + 120
+        while not (partial.exists() and partial.stat().st_size > 0):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and "terminated" in err
+    assert not partial.exists()
+    assert trace.read_text() == "previous\n"
