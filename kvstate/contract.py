@@ -203,6 +203,13 @@ def render_markdown() -> str:
         "  (`Report.outcome`); `JobFinished.outcome` is a plain string, a `JobState` value",
         "  (`stored`, `partially_stored`, `failed`, `skipped`, `stale`). A record nested in",
         "  a field carries its type as `\"@\"`.",
+        "- Numbers the protocol bounds are checked when the trace is read (exit 2, line and",
+        "  field): token counts and positions and block ids are in `[0, 2^62)`, generations",
+        "  in `[1, 2^62)` (or left out), request ids are text without NUL, store job ids",
+        "  strictly increase from any start (vLLM's connector numbers from 0, kvstate from 1).",
+        "  Times (`t`, `JobFinished.now`, `skipped_since`) are on the producer's clocks,",
+        "  whatever their epoch: only their order and differences are judged, so negative",
+        "  times are valid.",
     ]
     out += _header_rows()
     out += ["", "## Records", "",

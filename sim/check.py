@@ -15,6 +15,7 @@ import attrs
 
 from kvstate.invariants import Finding, Monitor
 from kvstate.trace import TraceError, TraceReader, header_none_hash
+from sim.minimize import check_header_options
 
 # Steps after which a job not reported, a job not released or a pin not
 # released counts as stuck where a trace ends (a header's "liveness_steps" or
@@ -44,6 +45,7 @@ def check_trace(path: str | Path, stop_at_first: bool = False,
     ``DEFAULT_LIVENESS_STEPS``) unless it stopped at a first finding."""
     with TraceReader(path, fast=True) as reader:
         header = reader.header
+        check_header_options(path, header)
         bound = liveness_steps or header.get("liveness_steps") or DEFAULT_LIVENESS_STEPS
         shared: set[str] = set()
         none_hash = header_none_hash(header)

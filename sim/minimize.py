@@ -40,6 +40,14 @@ def _known_protocol(name: str, where: str, field: str) -> bool:
         raise TraceError(where, field, str(exc)) from None
 
 
+def check_header_options(path: str | Path, header: dict[str, Any]) -> None:
+    """A header that records simulator ``options`` gets them checked as
+    `options_from_trace` does (a ``TraceError`` naming the field), so
+    ``check`` and ``replay`` do not read garbage there as a valid trace."""
+    if "options" in header:
+        options_from_trace(path)
+
+
 def options_from_trace(path: str | Path) -> SimOptions:
     """The simulator options a trace's header records, each checked for type,
     range and known names (fault sites, protocols) before anything runs; a bad

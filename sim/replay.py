@@ -41,6 +41,7 @@ from kvstate.records import ExistsCall, GetCall, LoadReport, PutCall, Report, Sc
 from kvstate.tables import IllegalTransition
 from kvstate.trace import TraceError, TraceReader
 from kvstate.variants import VARIANTS, get_variant, is_variant
+from sim.minimize import check_header_options
 
 _PRODUCED = (JobStarted, StateWritten, JobFinished)
 
@@ -155,6 +156,7 @@ def _observed_only(recorded: Any, model: Any) -> Any:
 def replay_trace(path: str | Path, protocol: str | None = None) -> ReplayResult:
     with TraceReader(path) as reader:
         name = reader.name
+        check_header_options(path, reader.header)
         chosen = protocol or reader.header.get("protocol") or "kvstate"
         try:
             known = is_variant(chosen)

@@ -1088,3 +1088,96 @@ def test_a_refused_put_the_rank_reports_as_stored_is_k7(tmp_path: Path, capsys) 
     assert len(k7) == 1 and k7[0]["message"].startswith(
         "rank 1 job 1 reports chunk 1 of group 0 stored, but no put of"), k7
     assert k7[0]["event_index"] == line_of(lines, "JobFinished", rank=1) - 1
+
+
+# --- Issue 32, class 6: impossible values are refused, not read as a valid trace.
+
+def _sim_trace(tmp_path: Path) -> list[dict[str, Any]]:
+    path = tmp_path / "sim.jsonl"
+    assert main(["sim", "--requests", "30", "--faults", "none", "--trace", str(path)]) == 0
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _first(lines: list[dict[str, Any]], kind: str,
+           where: Callable[[dict[str, Any]], bool] = lambda d: True) -> dict[str, Any]:
+    return next(d for d in lines[1:] if d.get("type") == kind and where(d))
+
+
+def _new_request(d: dict[str, Any]) -> bool:
+    return bool(d["step"]["new"])
+
+
+IMPOSSIBLE: dict[str, tuple[Callable[[list[dict[str, Any]]], None], list[str]]] = {
+    "negative block id": (
+        lambda ls: _first(ls, "Allocated").update(block_ids=[[-1]]), ["block_ids", "-1"]),
+    "block id of 2^64": (
+        lambda ls: _first(ls, "Planned", lambda d: bool(d["plan"]["pins"]))["plan"].update(
+            pins=[1 << 64]), ["plan.pins", str(1 << 64)]),
+    "block id of 10^400": (
+        lambda ls: _first(ls, "Allocated").update(block_ids=[[10 ** 400]]), ["block_ids"]),
+    "negative computed tokens": (
+        lambda ls: _first(ls, "StepScheduled", _new_request)["step"]["new"][0].update(
+            num_computed_tokens=-5), ["num_computed_tokens", "-5"]),
+    "negative prompt length": (
+        lambda ls: _first(ls, "LookupDone").update(num_prompt_tokens=-3),
+        ["num_prompt_tokens"]),
+    "negative hit": (
+        lambda ls: _first(ls, "LookupDone").update(hit_tokens=-1), ["hit_tokens"]),
+    "negative token length": (
+        lambda ls: _first(ls, "Planned", lambda d: bool(d["plan"]["saves"]))["plan"]["saves"][0]
+        .update(token_len=-4), ["saves[0].token_len"]),
+    "generation of 10^400": (
+        lambda ls: _first(ls, "LookupDone").update(generation=10 ** 400), ["generation"]),
+    "NUL in a request id": (
+        lambda ls: _first(ls, "StepScheduled", _new_request)["step"]["new"][0].update(
+            req_id="a\x00b"), ["req_id", "NUL"]),
+    "lone surrogate in a request id": (
+        lambda ls: _first(ls, "LookupDone").update(req_id="a\ud800"), ["req_id", "surrogate"]),
+    "more engine names than configs": (
+        lambda ls: ls[0].update(engines=["kv_both", "kv_both"]), ["engines"]),
+    "a backoff of 1e18": (
+        lambda ls: ls[0]["configs"][0].update(pressure_backoff=1e18), ["pressure_backoff"]),
+    "negative requests in the options": (
+        lambda ls: ls[0]["options"].update(requests=-5), ["options.requests"]),
+    "a string world size in the options": (
+        lambda ls: ls[0]["options"].update(world_size="x"), ["options.world_size"]),
+    "an unknown fault in the options": (
+        lambda ls: ls[0]["options"].update(faults=["nuke"]), ["options.faults", "nuke"]),
+    "an unknown protocol in the options": (
+        lambda ls: ls[0]["options"].update(protocol="nope"), ["options.protocol"]),
+    "a string seed in the options": (
+        lambda ls: ls[0]["options"].update(seed="7"), ["options.seed"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
+@pytest.mark.parametrize("command", ["check", "replay"])
+def test_an_impossible_value_is_refused_naming_line_and_field(tmp_path: Path, capsys,
+                                                              case: str, command: str) -> None:
+    """`check` (the fast decoder) and `replay` (the plain one) read each of
+    these as a valid trace before (exit 0, "identical"); now exit 2 naming
+    the line and the field."""
+    lines = _sim_trace(tmp_path)
+    mutate, words = IMPOSSIBLE[case]
+    mutate(lines)
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    capsys.readouterr()
+    assert main([command, str(path)]) == 2, case
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{path}:" in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_a_key_repeated_in_the_header_is_refused(tmp_path: Path, capsys) -> None:
+    """JSON leaves repeated keys to the reader; Python's took the last, so a
+    header with `kvstate_trace` 1 and then 2 was read as version 2."""
+    lines = _sim_trace(tmp_path)
+    header = json.dumps(lines[0])
+    path = tmp_path / "dup.jsonl"
+    path.write_text(header[:-1] + ', "store": "private", "store": "shared"}\n'
+                    + "".join(json.dumps(d) + "\n" for d in lines[1:]))
+    capsys.readouterr()
+    assert main(["check", str(path)]) == 2
+    assert "'store' appears twice" in capsys.readouterr().err

@@ -42,6 +42,9 @@ LIMITS = {
     "block_size": 1 << 20,  # tokens; also hash_block_size, alignment and sliding windows
     "ranks_x_groups": 1 << 16,  # world_size * groups, summed over the engines
     "rank_ids": 1 << 20,  # pcp_rank, dcp_rank, pp_rank (they only name key namespaces)
+    # A backoff in the clock's units (seconds for an engine): a day is already
+    # past any liveness bound; 1e18 would silence K6 for ever.
+    "pressure_backoff": 86_400.0,
 }
 
 
@@ -347,12 +350,27 @@ _JSON = json.JSONDecoder(parse_constant=_reject_constant)
 LIVENESS_STEPS_MAX = 1 << 62
 
 
-def parse_json(text: str, where: str) -> Any:
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all distinct (JSON leaves a repeated key to
+    the reader; Python's takes the last without a word)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+_JSON_UNIQUE = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique)
+
+
+def parse_json(text: str, where: str, unique_keys: bool = False) -> Any:
     """``json.loads`` whose every failure is a ``TraceError``: invalid JSON,
     ``NaN``/``Infinity``, an integer too long to convert (Python refuses more
-    than 4,300 digits), nesting too deep to parse."""
+    than 4,300 digits), nesting too deep to parse; with ``unique_keys`` (the
+    header, read once), a key repeated in one object."""
     try:
-        return _JSON.decode(text)
+        return (_JSON_UNIQUE if unique_keys else _JSON).decode(text)
     except json.JSONDecodeError as exc:
         if text.startswith("\ufeff"):
             raise TraceError(where, "", "starts with a UTF-8 byte-order mark (U+FEFF, as some "
@@ -418,7 +436,7 @@ def read_header(text: str, where: str) -> dict[str, Any]:
     ``block_hash`` set (default ``kvstate``), ``none_hash`` checked hex.
     Other keys (``protocol``, ``options``, ``seed``...) are kept as written;
     ``protocol``, where present, must be a string."""
-    data = parse_json(text, where)
+    data = parse_json(text, where, unique_keys=True)
     if not isinstance(data, dict) or "kvstate_trace" not in data:
         raise TraceError(where, "kvstate_trace", "missing: not a kvstate trace header")
     version = data["kvstate_trace"]
@@ -445,6 +463,11 @@ def read_header(text: str, where: str) -> dict[str, Any]:
         raise TraceError(where, "configs", f"world sizes times groups add up to {total}; at "
                          f"most {LIMITS['ranks_x_groups']} are supported")
     data["configs"] = decoded
+    engines = data.get("engines")
+    if engines is not None and not (isinstance(engines, list) and len(engines) == len(decoded)
+                                    and all(type(e) is str for e in engines)):
+        raise TraceError(where, "engines", f"expected one name per config ({len(decoded)}), "
+                         f"got {str(engines)[:80]}")
     protocol = data.get("protocol")
     if protocol is not None and type(protocol) is not str:
         raise TraceError(where, "protocol", f"expected a string, got {protocol!r}")
@@ -497,6 +520,8 @@ def check_limits(config: Any, where: str, path: str) -> None:
         if value is not None and value > limit:
             raise TraceError(where, f"{path}.{name}", f"{value} is beyond the supported "
                              f"maximum {limit}")
-    if not math.isfinite(config.pressure_backoff):
+    if not (math.isfinite(config.pressure_backoff)
+            and config.pressure_backoff <= LIMITS["pressure_backoff"]):
         raise TraceError(where, f"{path}.pressure_backoff",
-                         f"must be finite, got {config.pressure_backoff}")
+                         f"must be at most {LIMITS['pressure_backoff']:g}, got "
+                         f"{config.pressure_backoff}")

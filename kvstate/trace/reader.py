@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from kvstate.contract import UNKNOWN
 from kvstate.trace.codec import NO_ABSENT, TraceError, decode_line_absent, read_header
 from kvstate.trace.fast import fast_codec
 
@@ -132,6 +133,123 @@ class _JobIds:
         return i >= 0 and job_id <= hi[i]
 
 
+# What a number in a trace can be (issue 32, class 6): the decoders check
+# types, these check what the protocol allows. Every id and count fits in 62
+# bits (vLLM's block ids, token counts and kvstate's generations are far
+# below); token counts, block ids and chunk ids are never negative; a
+# generation is >= 1, or the observed layer's "left out" (`UNKNOWN`, -1).
+_MAX_ID = 1 << 62
+# Field name -> what its value is, for the records the scheduler writes (one
+# or a few per step, so walking them costs little next to the rank lines).
+_COUNTS = frozenset({
+    "num_computed_tokens", "num_scheduled_tokens", "num_prompt_tokens",
+    "num_external_tokens", "token_ids_start", "token_len", "hit_tokens",
+    "block_ids_start", "hashes_start"})
+_BLOCKS = frozenset({"block_ids", "new_block_ids", "pins", "releases",
+                     "failed_block_ids", "reported_block_ids"})
+_STEP_RECORDS = frozenset({"StepScheduled", "Planned", "LookupDone", "Allocated", "LoadDone",
+                           "Settled"})
+
+
+# Fields that hold nested scheduler records (or lists of them) to walk into.
+_NESTED = frozenset({"step", "plan", "settlement", "new", "cached", "resumed", "saves",
+                     "loads", "published"})
+_PLANS: dict[type, tuple[tuple[str, str], ...]] = {}
+
+
+def _plan(kind: type, obj: Any) -> tuple[tuple[str, str], ...]:
+    """(field, rule) for the fields of ``kind`` a rule applies to, once per
+    type: the walk touches nothing else (token lists, hashes, keys)."""
+    fields = getattr(obj, "__struct_fields__", None)  # the fast path's msgspec structs
+    if fields is None:
+        fields = [a.name for a in getattr(kind, "__attrs_attrs__", ())]
+    plan = []
+    for name in fields:
+        if name in _COUNTS:
+            plan.append((name, "count"))
+        elif name in _BLOCKS:
+            plan.append((name, "blocks"))
+        elif name == "generation":
+            plan.append((name, "generation"))
+        elif name == "req_id":
+            plan.append((name, "req_id"))
+        elif name in ("preempted", "finished"):
+            plan.append((name, "req_ids"))
+        elif name in _NESTED:
+            plan.append((name, "nested"))
+    out = _PLANS[kind] = tuple(plan)
+    return out
+
+
+def _request_id(where: str, field: str, value: Any) -> None:
+    if type(value) is not str or value.isascii() and "\x00" not in value:
+        return  # the decoders name a wrong type; the common case costs two C calls
+    if "\x00" in value:
+        raise TraceError(where, field, f"request id {value!r} holds a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise TraceError(where, field, f"request id {value!r} holds a lone surrogate (not "
+                         "text: JSON's \\ud800-style escapes must come in pairs)") from None
+
+
+def _block_ids(where: str, field: str, value: Any) -> None:
+    """Block ids (a flat list, or one list per KV-cache group) in [0, 2^62)."""
+    if type(value) is int:
+        if not 0 <= value < _MAX_ID:
+            raise TraceError(where, field, f"block id {value} outside [0, 2^62)")
+        return
+    if not value:
+        return
+    if type(value[0]) is int:
+        try:
+            low, high = min(value), max(value)
+        except TypeError:
+            low, high = 0, 0  # mixed types: the decoders' to name
+        if low >= 0 and high < _MAX_ID:
+            return
+    for i, item in enumerate(value):
+        if type(item) is int:
+            if not 0 <= item < _MAX_ID:
+                raise TraceError(where, f"{field}[{i}]", f"block id {item} outside [0, 2^62)")
+        elif isinstance(item, (tuple, list)):
+            _block_ids(where, f"{field}[{i}]", item)
+
+
+def _check_numbers(where: str, path: str, obj: Any) -> None:
+    """Walk a scheduler-side record and its nested records, checking every
+    field whose name says what it holds (`_COUNTS`, `_BLOCKS`, ``generation``,
+    ``req_id``)."""
+    kind = type(obj)
+    plan = _PLANS.get(kind)
+    if plan is None:
+        plan = _plan(kind, obj)
+    for name, rule in plan:
+        value = getattr(obj, name)
+        if rule == "count":
+            if type(value) is int and not 0 <= value < _MAX_ID:
+                raise TraceError(where, f"{path}{name}", f"{value} is no token count or "
+                                 "position (expected 0 <= n < 2^62)")
+        elif rule == "blocks":
+            _block_ids(where, f"{path}{name}", value)
+        elif rule == "generation":
+            if type(value) is int and not (1 <= value < _MAX_ID or value == UNKNOWN):
+                raise TraceError(where, f"{path}{name}",
+                                 f"generation {value} outside [1, 2^62)")
+        elif rule == "req_id":
+            _request_id(where, f"{path}{name}", value)
+        elif rule == "req_ids":
+            for i, item in enumerate(value or ()):
+                if type(item) is str:
+                    _request_id(where, f"{path}{name}[{i}]", item)
+        elif isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                if not isinstance(item, (int, float, str, bytes)):
+                    _check_numbers(where, f"{path}{name}[{i}].", item)
+        elif value is not None:
+            _check_numbers(where, f"{path}{name}.", value)
+
+
 class _Validator:
     """Order, identity and range checks of a trace against itself and its
     header, before any monitor or model sees an observation: indexes strictly
@@ -178,8 +296,20 @@ class _Validator:
             check = self._by_type[kind]
         except KeyError:
             check = self._by_type[kind] = self.checks.get(kind.__name__)
+            if kind.__name__ in _STEP_RECORDS:
+                check = self._by_type[kind] = self._numbered(check)
         if check is not None:
             check(where, engine, obs)
+
+    @staticmethod
+    def _numbered(check: Callable[[str, int, Any], None] | None
+                  ) -> Callable[[str, int, Any], None]:
+        """``check`` (if any) after the number rules of `_check_numbers`."""
+        def both(where: str, engine: int, obs: Any) -> None:
+            _check_numbers(where, "", obs)
+            if check is not None:
+                check(where, engine, obs)
+        return both
 
     def _rank(self, where: str, engine: int, rank: int, field: str = "rank") -> None:
         size = self.configs[engine].world_size
