@@ -285,7 +285,9 @@ def test_kv_computed_over_a_failed_load_is_never_stored(tmp_path, model, protoco
     asynchronous load only once it landed, so ``n`` (asked to wait for
     ``r0``'s load, then reading the prefix from vLLM's cache: the blocks
     ``r0`` loaded and the ones it recomputes) never reads a block whose load
-    failed, and even e2 stores right KV."""
+    failed, and even e2 stores right KV. e2 loads the prefix for ``n`` too
+    (upstream does not wait for another request's load of the same blocks,
+    D5 in specs/conformance.md), so its two loads both fail at block 3."""
     deployment = start_deployment(tmp_path, model)
     own = prompt(100, 77)
     check = Wave([EngineRequest("n", SHARED + own, 16)])
@@ -301,7 +303,8 @@ def test_kv_computed_over_a_failed_load_is_never_stored(tmp_path, model, protoco
                                monitor="raise" if protocol == "kvstate" else "log")
     finally:
         deployment.close()
-    assert reader["worker_totals"]["load_failures"] == 1
+    both_load = protocol == "e2" and load_async
+    assert reader["worker_totals"]["load_failures"] == (2 if both_load else 1)
     assert reader["worker_totals"]["keys_put"] == 3  # n's own blocks, stored either way
     assert later["worker_totals"]["keys_loaded"] == 10
     if protocol == "kvstate" or load_async:
