@@ -350,3 +350,38 @@ def test_a_header_and_the_option_refuse_the_same_liveness_bound(tmp_path: Path, 
     capsys.readouterr()
     _refused(capsys, ["check", str(trace)], "liveness_steps", f"[1, {1 << 62}]")
     assert main(["check", "--liveness-steps", str(1 << 62), str(tmp_path / "t.jsonl")]) == 2
+
+
+# --- Issue 32, class 2: work bounded by the input's use, or refused up front.
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["fuzz", "--steps", "100000000", "--budget", "2"], ["--steps", "[1, 1000]"]),
+    (["fuzz", "--examples", "1000000000", "--budget", "2"], ["--examples", "[1, 10000]"]),
+])
+def test_a_fuzz_round_that_could_outrun_its_budget_is_refused(capsys, argv, words) -> None:
+    """The budget is checked between rounds of programs: a round of 10^8
+    rules a program ran far past --budget 2."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_a_workload_is_read_only_as_far_as_the_run_takes(tmp_path: Path) -> None:
+    """A 5-request run read the whole FAST'25 file first (a gzip of millions
+    of lines took minutes). Line 10 here is garbage: a reader that stops at
+    its limit never reaches it, one that reads everything refuses it."""
+    import gzip
+
+    from sim.workloads import WorkloadError, fast25
+
+    rows = [json.dumps({"timestamp": 10 * i, "input_length": 64, "output_length": 4,
+                        "hash_ids": [i]}) for i in range(9)]
+    path = tmp_path / "w.jsonl.gz"
+    with gzip.open(path, "wt") as out:
+        out.write("\n".join(rows) + "\nnot json\n")
+    assert len(list(fast25(path, scale=16, limit=5))) == 5
+    with pytest.raises(WorkloadError, match=":10: "):
+        list(fast25(path, scale=16))

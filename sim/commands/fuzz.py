@@ -10,6 +10,25 @@ from sim.commands.output import envelope
 from sim.commands.paths import output_dir
 from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
 
+# Hypothesis's default is 50 rules a program; the budget is checked between
+# rounds of --examples programs, so a round must end in bounded time (issue
+# 32, class 2: --steps 100000000 ran far past --budget 2).
+MAX_STEPS = 1_000
+MAX_EXAMPLES = 10_000
+
+
+def _at_most(limit: int) -> Any:
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"expected an integer in [1, {limit}], got {value}")
+        return value
+    return parse
+
+
+steps_arg = _at_most(MAX_STEPS)
+examples_arg = _at_most(MAX_EXAMPLES)
+
 
 def _on_example(args: argparse.Namespace, bar: Bar) -> Any:
     def show(e: Any) -> None:  # a sim.fuzz.FuzzProgress, after every program
@@ -59,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     parser = sub.add_parser("fuzz", help="Hypothesis stateful fuzzing with a time budget")
     add_protocols(parser)
-    parser.add_argument("--examples", type=positive_int, default=200, help="programs per round")
-    parser.add_argument("--steps", type=positive_int, default=50, help="rules per program")
+    parser.add_argument("--examples", type=examples_arg, default=200,
+                        help=f"programs per round (at most {MAX_EXAMPLES:,})")
+    parser.add_argument("--steps", type=steps_arg, default=50,
+                        help=f"rules per program (at most {MAX_STEPS:,}: the budget is "
+                        "checked between rounds of programs, so one round must stay short)")
     parser.add_argument("--out-dir", default=".", help="where counterexample traces go")
     parser.add_argument("--profile", default="both",
                     choices=("both", "striding", "consumer", "shared", "hybrid", "hybrid-pd"),
