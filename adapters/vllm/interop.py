@@ -44,7 +44,11 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [1000 + (salt * 7919 + i * 31) % 20000 for i in range(n)]
 
 
-def run(master: str, writer: str, workdir: str) -> dict[str, Any]:
+def prepare_process(master: str, workdir: str, model_dir: str) -> None:
+    """Make this process one where upstream's connector runs beside
+    kvstate's: a Mooncake config for ``master`` (loopback, P2PHANDSHAKE) in
+    ``MOONCAKE_CONFIG_PATH``, ``torch.cuda.Event`` replaced by `HostEvent`,
+    and vLLM's distributed state initialised with gloo, world size 1."""
     os.environ["MC_LOG_LEVEL"] = "ERROR"
     config_path = os.path.join(workdir, "mooncake.json")
     with open(config_path, "w") as handle:
@@ -59,16 +63,22 @@ def run(master: str, writer: str, workdir: str) -> dict[str, Any]:
 
     from adapters.master import free_port
 
-    from .rig import Rig, make_vllm_config, tiny_model_dir
+    from .rig import make_vllm_config
 
     torch.cuda.Event = HostEvent  # type: ignore[misc,assignment]
-    model_dir = tiny_model_dir(os.path.join(workdir, "model"))
-    prefix = f"i{uuid.uuid4().hex[:8]}"
     with set_current_vllm_config(make_vllm_config(model_dir)):
         ps.init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
             distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         ps.ensure_model_parallel_initialized(1, 1)
+
+
+def run(master: str, writer: str, workdir: str) -> dict[str, Any]:
+    from .rig import Rig, make_vllm_config, tiny_model_dir
+
+    model_dir = tiny_model_dir(os.path.join(workdir, "model"))
+    prepare_process(master, workdir, model_dir)
+    prefix = f"i{uuid.uuid4().hex[:8]}"
 
     def engine(kind: str) -> Rig:
         extra: dict[str, Any] = {"cache_prefix": prefix, "save_decode_cache": True}

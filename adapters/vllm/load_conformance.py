@@ -517,32 +517,6 @@ def compare(a: dict[str, Any], b: dict[str, Any],
 # The command (run in a subprocess by the tests).
 
 
-def _prepare(model_dir: str, master: str, workdir: str) -> None:
-    os.environ["MC_LOG_LEVEL"] = "ERROR"
-    config_path = os.path.join(workdir, "mooncake.json")
-    with open(config_path, "w") as handle:
-        json.dump({"master_server_address": master, "metadata_server": "P2PHANDSHAKE",
-                   "protocol": "tcp", "global_segment_size": "64mb",
-                   "local_buffer_size": "32mb"}, handle)
-    os.environ["MOONCAKE_CONFIG_PATH"] = config_path
-
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    from adapters.master import free_port
-
-    from .interop import HostEvent
-    from .rig import make_vllm_config
-
-    torch.cuda.Event = HostEvent  # type: ignore[misc,assignment]
-    with set_current_vllm_config(make_vllm_config(model_dir)):
-        ps.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-        ps.ensure_model_parallel_initialized(1, 1)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m adapters.vllm.load_conformance")
     parser.add_argument("--master", required=True, help="HOST:PORT of a running mooncake_master")
@@ -554,11 +528,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     code = 0
     try:
+        from .interop import prepare_process
         from .rig import tiny_model_dir
 
         with tempfile.TemporaryDirectory() as workdir:
             model_dir = tiny_model_dir(os.path.join(workdir, "model"))
-            _prepare(model_dir, args.master, workdir)
+            prepare_process(args.master, workdir, model_dir)
             for name in args.scenario or sorted(SCENARIOS):
                 print(json.dumps(run_scenario(SCENARIOS[name], args.side, model_dir)),
                       flush=True)
