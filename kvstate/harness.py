@@ -389,8 +389,8 @@ class Harness:
         config = self.config
         if req.resume:
             hit = self._resume_lookup(req)
-            if hit and not any(req.blocks):
-                self._skip_window(req, hit)
+            if hit:
+                self._skip_window(req, hit)  # the tables are empty since the preemption
             n = min(len(req.tokens) - hit, budget)
             if self._grow(req, hit + n) is None:
                 return None
@@ -413,12 +413,7 @@ class Harness:
             if req.hit is None:
                 req.hit = 0
                 if req.lookup:
-                    hashes_all = HashChain(config.hash_block, req.prompt, self.hash_fn).hashes
-                    query = self.planner.lookup(req.req_id, len(req.prompt), hashes_all)
-                    present = tuple(self.store.exists(-1, query.keys))
-                    req.hit = self.planner.lookup_answered(query, present)
-                    self.observe(LookupDone(req.req_id, query.generation, len(req.prompt),
-                                            tuple(hashes_all), query.keys, present, req.hit))
+                    req.hit = self._look_up(req, req.prompt)
             hit = req.hit
             if hit:
                 self._skip_window(req, hit)
@@ -452,14 +447,19 @@ class Harness:
         if not req.lookup or req.load_failed:
             return 0
         if req.resume_hit is None:
-            tokens = req.tokens
-            hashes_all = HashChain(self.config.hash_block, tokens, self.hash_fn).hashes
-            query = self.planner.lookup(req.req_id, len(tokens), hashes_all)
-            present = tuple(self.store.exists(-1, query.keys))
-            req.resume_hit = self.planner.lookup_answered(query, present)
-            self.observe(LookupDone(req.req_id, query.generation, len(tokens),
-                                    tuple(hashes_all), query.keys, present, req.resume_hit))
+            req.resume_hit = self._look_up(req, req.tokens)
         return req.resume_hit
+
+    def _look_up(self, req: EngineRequest, tokens: Sequence[int]) -> int:
+        """``get_num_new_matched_tokens``: the planner's lookup of ``tokens``
+        against the store, observed; the hit in tokens."""
+        hashes_all = HashChain(self.config.hash_block, tokens, self.hash_fn).hashes
+        query = self.planner.lookup(req.req_id, len(tokens), hashes_all)
+        present = tuple(self.store.exists(-1, query.keys))
+        hit = self.planner.lookup_answered(query, present)
+        self.observe(LookupDone(req.req_id, query.generation, len(tokens),
+                                tuple(hashes_all), query.keys, present, hit))
+        return hit
 
     def _skip_window(self, req: EngineRequest, hit: int) -> None:
         """vLLM's ``SlidingWindowManager`` on an external hit: the blocks
@@ -542,8 +542,7 @@ class Harness:
                     self._recover_async_load(req, set(result.failed_block_ids))
                     continue
                 if req.status == "running":
-                    failed = set(result.failed_block_ids)
-                    first = min(i for i, b in enumerate(req.blocks[0]) if b in failed)
+                    first = _first_failed(req, set(result.failed_block_ids))
                     req.rewind = (first * bs, len(req.tokens))
                     continue
             # The engine recomputes exactly the blocks reported as failed.
@@ -586,7 +585,7 @@ class Harness:
         reports). One KV-cache group only: vLLM refuses block-level load
         errors for several."""
         bs = self.config.block_size
-        first = min(idx for idx, block in enumerate(req.blocks[0]) if block in failed)
+        first = _first_failed(req, failed)
         req.computed = first * bs
         req.pending_load = req.computed
         req.status = "waiting"
@@ -709,3 +708,9 @@ class Harness:
         quiet = Quiescent(held, tuple(leftovers))
         self.observe(quiet)
         return quiet
+
+
+def _first_failed(req: EngineRequest, failed: set[int]) -> int:
+    """The index of the request's first block whose load failed (vLLM cuts a
+    request back to it; one KV-cache group)."""
+    return min(idx for idx, block in enumerate(req.blocks[0]) if block in failed)
