@@ -1181,3 +1181,108 @@ def test_a_key_repeated_in_the_header_is_refused(tmp_path: Path, capsys) -> None
     capsys.readouterr()
     assert main(["check", str(path)]) == 2
     assert "'store' appears twice" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Issue 27, item 1: the contract's tables say everything an outside producer
+# needs, and say it of the code as it is.
+
+
+def test_the_published_contract_is_the_one_the_code_renders() -> None:
+    from kvstate.contract import render_markdown
+
+    spec = Path(__file__).resolve().parent.parent / "specs" / "trace.md"
+    assert spec.read_text() == render_markdown(), "stale: run `kvstate specs --write`"
+
+
+def test_every_invariant_and_every_config_field_is_described() -> None:
+    import attrs
+
+    from kvstate.config import ConnectorConfig
+    from kvstate.contract import CONFIG_FIELDS, NEEDS
+    from kvstate.invariants import CATALOGUE
+
+    assert list(NEEDS) == [inv.id for inv in CATALOGUE]
+    assert list(CONFIG_FIELDS) == [f.name for f in attrs.fields(ConnectorConfig)]
+
+
+def test_every_field_rule_names_a_field_that_exists() -> None:
+    import attrs
+
+    from kvstate.contract import FIELD_RULES
+    from kvstate.trace import RECORDS
+
+    every = {f.name for cls in RECORDS.values() for f in attrs.fields(cls)} | {"t"}
+    for names, _ in FIELD_RULES:
+        for part in names.split("; "):
+            record, _, fields = part.partition(".")
+            if record == "*":
+                assert fields in every, part
+                continue
+            if not fields:  # whole records
+                assert all(name in RECORDS for name in part.split(", ")), part
+                continue
+            own = {f.name for f in attrs.fields(RECORDS[record])}
+            assert set(fields.split(", ")) <= own, part
+
+
+def test_the_default_liveness_bound_is_the_checkers() -> None:
+    import inspect
+
+    from kvstate.contract import DEFAULT_LIVENESS_STEPS
+    from kvstate.invariants import Monitor
+    from sim.check import DEFAULT_LIVENESS_STEPS as CHECK_DEFAULT
+
+    finish = inspect.signature(Monitor.finish).parameters["liveness_steps"].default
+    assert DEFAULT_LIVENESS_STEPS == CHECK_DEFAULT == finish
+
+
+def _needs(kind: str) -> list[str]:
+    """Invariants by what `NEEDS` says of them: ``"annotations"``, judged
+    only with them; ``"observed"``, judged from the observed layer alone.
+    Those whose breaker is a synthetic fault have no scenario to run."""
+    from kvstate.contract import NEEDS
+    from kvstate.invariants import INVARIANTS
+
+    out = []
+    for inv, (reads, needs, _) in NEEDS.items():
+        if INVARIANTS[inv].scenario == "synthetic":
+            continue
+        if kind == "annotations" and reads == "-":
+            out.append(inv)
+        elif kind == "observed" and needs == "-":
+            out.append(inv)
+    return out
+
+
+def _fired(tmp_path: Path, invariant: str) -> tuple[set[str], set[str]]:
+    """What the invariant's catalogue breaker fires in its scenario: the
+    annotated trace, and the trace cut to its observed layer (judged with a
+    liveness bound of one step, so a short trace's end counts)."""
+    from kvstate.invariants import INVARIANTS
+    from kvstate.scenarios import run as run_scenario
+    from sim.check import check_trace
+    from sim.observed import write_observed
+
+    inv = INVARIANTS[invariant]
+    full = tmp_path / "full.jsonl"
+    full.write_text(run_scenario(inv.scenario, inv.broken_by).trace_text(scenario=inv.scenario))
+    observed = tmp_path / "observed.jsonl"
+    with observed.open("w") as out:
+        write_observed(full, out)
+    return ({f.invariant for _, _, f in check_trace(full, liveness_steps=1).findings},
+            {f.invariant for _, _, f in check_trace(observed, liveness_steps=1).findings})
+
+
+@pytest.mark.parametrize("invariant", _needs("annotations"))
+def test_what_the_contract_says_needs_annotations_is_not_judged_without(
+        tmp_path: Path, invariant: str) -> None:
+    annotated, observed = _fired(tmp_path, invariant)
+    assert invariant in annotated and invariant not in observed, (annotated, observed)
+
+
+@pytest.mark.parametrize("invariant", _needs("observed"))
+def test_what_the_contract_says_the_observed_layer_judges_fires_from_it(
+        tmp_path: Path, invariant: str) -> None:
+    annotated, observed = _fired(tmp_path, invariant)
+    assert invariant in observed, (annotated, observed)
