@@ -4,8 +4,9 @@ What an engine that knows nothing of kvstate would have written for the same
 run (`kvstate.contract`): no generation numbers, no rank-state writes, no
 verdicts or claims of quiescence, no content tags. Engine authors use it to
 see exactly what their recorder must write; the tests use it to show that a
-trace with no annotations is fully checkable (``kvstate check`` finds the same
-bugs, ``kvstate replay`` derives the same generations).
+trace with no annotations still shows every variant's bug (``kvstate check``
+finds a subset of the same findings, ``kvstate replay`` derives the same
+generations; `specs/trace.md` lists what only annotations let it judge).
 
 The input is read twice: once through the checked reader (a malformed trace is
 refused with file:line:field before anything is written), once to cut.

@@ -44,7 +44,7 @@ json_values = _json_values()
 # own marks.
 WHOLLY_SLOW_MODULES = frozenset({"test_cluster.py", "test_conformance.py", "test_engine.py",
                                  "test_load_conformance.py", "test_mooncake.py",
-                                 "test_vllm_connector.py"})
+                                 "test_observer.py", "test_vllm_connector.py"})
 
 
 def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:

@@ -1,4 +1,4 @@
-"""The observed layer: traces with none of kvstate's internals are fully checkable.
+"""The observed layer: traces with none of kvstate's internals still show every bug.
 
 The fixtures here are written by hand from only what a vLLM engine and its
 connector can see (`specs/trace.md`): request ids, job ids, ranks, store calls

@@ -770,7 +770,8 @@ def test_bench_vllm_measures_both_connectors_at_each_context() -> None:
     assert done.returncode == 0 and lines, done.stderr[-2000:]
     rows = json.loads(lines[-1])["rows"]
     assert {(r["kind"], r["context"]) for r in rows} == {
-        (kind, context) for kind in ("upstream", "kvstate", "kvstate+monitor")
+        (kind, context) for kind in ("upstream", "upstream+observer", "kvstate",
+                                     "kvstate+monitor")
         for context in (64, 256)}
     for row in rows:
         assert row["us_per_request_step"] > 0 and row["meta_bytes_per_job"] > 0, row

@@ -4,9 +4,13 @@ What is timed: ``build_connector_meta`` and ``update_connector_output`` of the
 scheduler connector, per scheduled request per decode step, with N requests
 decoding at a given context (``save_decode_cache`` on, so a job is emitted
 whenever a request fills a block, and released when all ranks reported).
-``KvstateConnector`` (protocol ``kvstate``, with the online monitor off and on)
-and upstream's ``MooncakeStoreConnector`` run in the same process, on the same
-schedule, so the ratios are like for like on a noisy machine.
+``KvstateConnector`` (protocol ``kvstate``, with the online monitor off and on),
+upstream's ``MooncakeStoreConnector``, and upstream's connector under
+kvstate's observer (``ObservedMooncakeStoreConnector`` writing its trace to a
+file, monitor on: every line it writes is also judged) run in the same
+process, on the same schedule, so the ratios are like for like on a noisy
+machine. The observer's rank-side work (the store tap, a few list appends per
+store call) runs on the send threads and is not timed here.
 
 What is not timed, and why: store I/O (none: the ranks' reports are written
 by the bench, all jobs stored, delivered one step later as vLLM would), the
@@ -27,17 +31,21 @@ import tempfile
 import time
 from typing import Any
 
-VARIANTS = ("upstream", "kvstate", "kvstate+monitor")
+VARIANTS = ("upstream", "upstream+observer", "kvstate", "kvstate+monitor")
 
 
 def _engine(kind: str, model_dir: str, context: int, requests: int, world: int,
-            block: int) -> Any:
+            block: int, trace: str) -> Any:
     from .rig import make_kv_cache_config, make_vllm_config
 
     blocks = requests * (context // block + 8) + 16
     extra: dict[str, Any] = {"save_decode_cache": True, "enable_lookup": False}
     if kind == "upstream":
         connector, module = "MooncakeStoreConnector", None
+    elif kind == "upstream+observer":
+        connector, module = "ObservedMooncakeStoreConnector", "adapters.vllm"
+        extra["kvstate_trace"] = trace
+        extra["kvstate_monitor"] = "log"
     else:
         connector, module = "KvstateConnector", "adapters.vllm"
         extra["kvstate_monitor"] = "log" if kind == "kvstate+monitor" else "off"
@@ -55,15 +63,29 @@ def _engine(kind: str, model_dir: str, context: int, requests: int, world: int,
 
 def _reports(kind: str, meta: Any, world: int) -> Any:
     """Every rank stored every job of the step's metadata."""
-    if kind == "upstream":
+    from kvstate.records import Report
+    from kvstate.tables import JobState
+
+    if kind.startswith("upstream"):
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
             MooncakeStoreWorkerMetadata,
         )
 
-        jobs = [r.store_job_id for r in meta.requests if r.store_job_id is not None]
-        return MooncakeStoreWorkerMetadata(completed_saves={j: world for j in jobs}) if jobs else None
-    from kvstate.records import Report
-    from kvstate.tables import JobState
+        jobs = [r for r in meta.requests if r.store_job_id is not None]
+        if not jobs:
+            return None
+        inner = MooncakeStoreWorkerMetadata(completed_saves={r.store_job_id: world for r in jobs})
+        if kind == "upstream":
+            return inner
+        from kvstate.contract import UNKNOWN
+
+        from .observer import ObservedWorkerMetadata
+
+        step = meta.kvstate_step
+        return ObservedWorkerMetadata(inner, [], [
+            ((step, rank, i), Report(r.store_job_id, rank, r.req_id, UNKNOWN, JobState.STORED,
+                                     UNKNOWN))
+            for rank in range(world) for i, r in enumerate(jobs)], [])
 
     from .connector import KvstateWorkerMetadata
 
@@ -99,7 +121,8 @@ def measure(kind: str, model_dir: str, context: int, requests: int, world: int =
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    scheduler = _engine(kind, model_dir, context, requests, world, block)
+    trace = os.path.join(model_dir, f"{kind}-{context}-{len(_MEASURED)}.trace")
+    scheduler = _engine(kind, model_dir, context, requests, world, block, trace)
     connector = scheduler.connector
     _MEASURED.append(scheduler)
     clock = {"s": 0.0}
@@ -163,12 +186,13 @@ def measure(kind: str, model_dir: str, context: int, requests: int, world: int =
             measured["request_steps"] += len(ids)
             measured["steps"] += 1
             measured["meta_bytes"] += len(pickle.dumps(meta))
-            measured["jobs"] += (len(meta.plan.saves) if kind != "upstream"
+            measured["jobs"] += (len(meta.plan.saves) if kind.startswith("kvstate")
                                  else sum(r.store_job_id is not None for r in meta.requests))
         else:
             clock["s"] = before  # prefill steps are not measured
     gc.unfreeze()
     _release_lookup_socket(connector)
+    connector.shutdown()  # the observer's trace: written whole (not timed)
     if decoding_steps < target:
         raise RuntimeError(f"{kind}: only {decoding_steps} of {target} decode steps with all "
                            f"{requests} requests running")
@@ -217,6 +241,8 @@ def format_vllm(report: dict[str, Any]) -> str:
             out.append(f"{kind}: {hi}/{lo} context = {cell[(kind, hi)] / cell[(kind, lo)]:.2f}x")
         out.append(f"upstream/kvstate at {hi}: {cell[('upstream', hi)] / cell[('kvstate', hi)]:.1f}x")
     for context in contexts:
+        out.append(f"observer on upstream at {context}: "
+                   f"{cell[('upstream+observer', context)] / cell[('upstream', context)]:.2f}x")
         out.append(f"monitor on/off at {context}: "
                    f"{cell[('kvstate+monitor', context)] / cell[('kvstate', context)]:.2f}x")
     return "\n".join(out)

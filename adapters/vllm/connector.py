@@ -57,6 +57,23 @@ LOOKUP_BUFFER_BYTES = 16 << 20
 _HASH_NAMES = {"sha256": "vllm-sha256", "sha256_cbor": "vllm-sha256_cbor"}
 
 
+def trace_header(hash_algo: str, producer: str) -> dict[str, Any]:
+    """A trace header's engine fields: the producer, the engine's block-hash
+    function and its NONE_HASH, so ``kvstate check`` recomputes event hashes
+    the way this engine did (or knows it cannot). Called at the first flush:
+    NONE_HASH is settled only once the engine core initialised its hashing."""
+    import vllm
+    from vllm.v1.core import kv_cache_utils
+
+    header: dict[str, Any] = {"producer": producer, "store": "shared",
+                              "vllm": getattr(vllm, "__version__", "unknown"),
+                              "block_hash": _HASH_NAMES.get(hash_algo, "opaque")}
+    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    if isinstance(none_hash, bytes):
+        header["none_hash"] = none_hash.hex()
+    return header
+
+
 class KvstateConnectorMetadata(KVConnectorMetadata):
     """One step's plan, scheduler -> every rank."""
 
@@ -153,18 +170,7 @@ class KvstateConnector(KVConnectorBase_V1):
         return store
 
     def _trace_header(self) -> dict[str, Any]:
-        """The engine's block-hash function, so ``kvstate check`` recomputes
-        event hashes the way this engine did (or knows it cannot)."""
-        import vllm
-        from vllm.v1.core import kv_cache_utils
-
-        header: dict[str, Any] = {"producer": "kvstate vLLM connector", "store": "shared",
-                                  "vllm": getattr(vllm, "__version__", "unknown"),
-                                  "block_hash": _HASH_NAMES.get(self._hash_algo, "opaque")}
-        none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
-        if isinstance(none_hash, bytes):
-            header["none_hash"] = none_hash.hex()
-        return header
+        return trace_header(self._hash_algo, "kvstate vLLM connector")
 
     def shutdown(self) -> None:
         if self.worker is not None:

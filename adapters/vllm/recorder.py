@@ -34,6 +34,16 @@ meanwhile loses them; what was written is a whole trace of the steps before
 The trace's time is the step number (the executors' clock in the connector);
 line indexes are assigned as lines are written, so both only go forward.
 The online monitor sees exactly the written order.
+
+Two producers use this log. ``KvstateConnector`` knows its generations and
+kvstate's internals, and writes them (``layer="annotated"``) or cuts them
+away (``"observed"``); its monitor sees the records as built. The observer of
+upstream's connector (`adapters.vllm.observer`) knows no generations: it
+builds records with a placeholder generation and asks for
+``derive_generations``, so each line is cut to its observed layer (plus the
+annotations named in ``keep``: facts the observer saw itself) and the
+monitor judges what that line *decodes to* with the generations
+`kvstate.derive` numbers: exactly what ``kvstate check`` of the file judges.
 """
 
 from __future__ import annotations
@@ -43,17 +53,59 @@ import logging
 from collections.abc import Callable
 from typing import IO, Any
 
-from kvstate.contract import observed_layer
+import attrs
+
+from kvstate.contract import ANNOTATIONS, OMITTABLE, observed_layer
 from kvstate.invariants import Monitor
 from kvstate.observations import Observation
 from kvstate.trace import encode_header, encode_observation
+from kvstate.trace.codec import NO_ABSENT, encode_value, field_names
 
 from .worker_side import RankObservation
 
 logger = logging.getLogger("kvstate.vllm")
+_DUMPS = json.JSONEncoder(separators=(",", ":")).encode
 
 # Where a line sorts within its step (see the module docstring).
 _SCHEDULING, _SETTLEMENT = 0, 2
+
+
+def _observed_fields(record: Any, keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``record``'s fields as `kvstate.trace.codec.encode_value` writes them,
+    cut to the observed layer as it goes (`kvstate.contract.observed_layer`
+    strips a finished line instead: the same result, at twice the cost on
+    the lines of a big step), plus the annotations in ``keep`` that are set."""
+    kind = type(record).__name__
+    omit = OMITTABLE.get(kind, {})
+    holder, names = ANNOTATIONS.get(kind, (None, ()))
+    drop = frozenset(n for n in names if n not in keep) if holder is None else frozenset()
+    out: dict[str, Any] = {}
+    for name in field_names(type(record)):
+        if name in omit or name in drop:
+            continue
+        value = getattr(record, name)
+        if name in keep and value is None:
+            continue
+        if name == holder:
+            inner = _observed_fields(value)
+            inner["@"] = type(value).__name__
+            for annotation in names:
+                inner.pop(annotation, None)
+            out[name] = inner
+        else:
+            out[name] = _observed_value(value)
+    return out
+
+
+def _observed_value(value: Any) -> Any:
+    kind = type(value)
+    if kind is tuple or kind is list:
+        if all(type(v) is int for v in value):
+            return list(value)
+        return [_observed_value(v) for v in value]
+    if attrs.has(kind) and kind.__name__ in OMITTABLE:
+        return {"@": kind.__name__, **_observed_fields(value)}
+    return encode_value(value)
 
 
 class InvariantViolated(RuntimeError):
@@ -63,8 +115,10 @@ class InvariantViolated(RuntimeError):
 class EngineLog:
     """Orders, writes and monitors one engine's observations."""
 
-    def __init__(self, config: Any, protocol: str, *, path: str | None, monitor: str,
-                 header: Callable[[], dict[str, Any]], layer: str = "annotated") -> None:
+    def __init__(self, config: Any, protocol: str | None, *, path: str | None, monitor: str,
+                 header: Callable[[], dict[str, Any]], layer: str = "annotated",
+                 derive_generations: bool = False,
+                 keep: dict[str, tuple[str, ...]] | None = None) -> None:
         """``header`` is called once, at the first flush: what it names (the
         engine's block-hash function and its NONE_HASH) is settled only once
         the engine core initialised its hashing, after the connector was built."""
@@ -84,7 +138,13 @@ class EngineLog:
         self.active = path is not None or monitor != "off"
         # "observed": write only what vLLM's own objects show (specs/trace.md),
         # as a recorder that knows nothing of kvstate would.
-        self.layer = layer
+        self.layer = "observed" if derive_generations else layer
+        self.keep = keep or {}
+        self._derivation: Any = None
+        if derive_generations:
+            from kvstate.derive import Derivation
+
+            self._derivation = Derivation([config])
 
     def _start(self) -> None:
         self._started = True
@@ -96,7 +156,8 @@ class EngineLog:
             self.monitor = Monitor(self.config, shared_store=True, **hashing)
         if self.path is not None:
             self._file = open(self.path, "w")  # noqa: SIM115 - closed by close()
-            self._file.write(encode_header([self.config], protocol=self.protocol, **header) + "\n")
+            named = {} if self.protocol is None else {"protocol": self.protocol}
+            self._file.write(encode_header([self.config], **named, **header) + "\n")
 
     def scheduling(self, step: int, obs: Observation) -> None:
         self._seq += 1
@@ -126,23 +187,53 @@ class EngineLog:
             while cut < len(self._pending) and self._pending[cut][0] <= limit:
                 cut += 1
         ready, self._pending = self._pending[:cut], self._pending[cut:]
-        lines = []
-        observed_only = self.layer == "observed"
-        for key, obs in ready:
-            if self._file is not None:
-                line = encode_observation(obs, self._index, 0, float(key[0]))
-                if observed_only:
-                    cut = observed_layer(json.loads(line))  # type: ignore[assignment]
-                    line = json.dumps(cut, separators=(",", ":")) if cut is not None else ""
-                if line:
-                    lines.append(line)
-            self._index += 1
-            if self.monitor is not None:
-                self.monitor.observe(obs)
+        lines: list[str] = []
+        if self._derivation is not None:
+            self._flush_derived(ready, lines)
+        else:
+            observed_only = self.layer == "observed"
+            for key, obs in ready:
+                if self._file is not None:
+                    line = encode_observation(obs, self._index, 0, float(key[0]))
+                    if observed_only:
+                        kept = observed_layer(json.loads(line))
+                        line = json.dumps(kept, separators=(",", ":")) if kept else ""
+                    if line:
+                        lines.append(line)
+                self._index += 1
+                if self.monitor is not None:
+                    self.monitor.observe(obs)
         if lines and self._file is not None:
             self._file.write("\n".join(lines) + "\n")
             self._file.flush()
         self._check()
+
+    def _flush_derived(self, ready: list[tuple[tuple[int, int, int, int], Observation]],
+                       lines: list[str]) -> None:
+        """Records whose generations are placeholders (`UNKNOWN`): each is
+        written cut to its observed layer plus ``keep``, and the monitor
+        judges it with the generations `kvstate.derive` gives it and the
+        annotations the line leaves out: what ``kvstate check`` of the
+        written line judges, without parsing it back."""
+        derivation = self._derivation
+        monitor = self.monitor
+        keep = self.keep
+        for key, obs in ready:
+            kind = type(obs).__name__
+            kept_names = keep.get(kind, ())
+            if self._file is not None:
+                line: dict[str, Any] = {"i": self._index, "e": 0, "t": float(key[0]),
+                                        "type": kind}
+                line.update(_observed_fields(obs, kept_names))
+                lines.append(_DUMPS(line))
+            self._index += 1
+            if monitor is not None:
+                holder, names = ANNOTATIONS.get(kind, (None, ()))
+                absent = frozenset(n for n in names if n not in kept_names
+                                   or getattr(obs, n, None) is None)
+                where = f"{self.path or 'trace'}:{self._index + 1}"
+                derived, absent = derivation.apply(where, 0, obs, absent or NO_ABSENT)
+                monitor.observe(derived, absent)
 
     def _check(self) -> None:
         if self.monitor is None:

@@ -57,7 +57,7 @@ filled serves the other.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvstate.config import ConnectorConfig
@@ -91,6 +91,55 @@ def _table(block_ids: Any, groups: int) -> BlockTable:
     if not block_ids:
         return tuple(() for _ in range(groups))
     return tuple(tuple(ids) for ids in block_ids)
+
+
+def scheduler_step(so: Any, requests: dict[str, Any], sent_hashes: dict[str, int],
+                   groups: int, resumes: Callable[[str], bool]) -> SchedulerStep:
+    """vLLM's ``SchedulerOutput`` as kvstate's ``SchedulerStep`` (the module
+    docstring says where each field comes from). ``requests`` holds the
+    ``Request`` objects by id, ``sent_hashes`` how many of each request's
+    block hashes earlier steps carried (updated here); ``resumes(req_id)``
+    says whether a request scheduled as new is a preempted one coming back
+    (vLLM's v2 runner lists a resumption that way)."""
+    new: list[NewRequest] = []
+    resumed: list[ResumedRequest] = []
+    cached: list[CachedRequest] = []
+    scheduled = so.num_scheduled_tokens
+    for data in so.scheduled_new_reqs:
+        req_id = data.req_id
+        request = requests[req_id]
+        hashes = tuple(request.block_hashes)
+        sent_hashes[req_id] = len(hashes)
+        table = _table(data.block_ids, groups)
+        if resumes(req_id):
+            resumed.append(ResumedRequest(req_id, tuple(request.all_token_ids),
+                                          data.num_computed_tokens, scheduled[req_id],
+                                          table, hashes))
+        else:
+            new.append(NewRequest(req_id, tuple(data.prompt_token_ids or ()),
+                                  data.num_computed_tokens, scheduled[req_id], table, hashes))
+    cd = so.scheduled_cached_reqs
+    drafts = so.scheduled_spec_decode_tokens
+    for i, req_id in enumerate(cd.req_ids):
+        request = requests[req_id]
+        computed = cd.num_computed_tokens[i]
+        hashes_all = request.block_hashes
+        if req_id in cd.resumed_req_ids:
+            sent_hashes[req_id] = len(hashes_all)
+            resumed.append(ResumedRequest(req_id, tuple(request.all_token_ids), computed,
+                                          scheduled[req_id], _table(cd.new_block_ids[i], groups),
+                                          tuple(hashes_all)))
+            continue
+        real = scheduled[req_id] - len(drafts.get(req_id, ()))
+        tokens = tuple(request.all_token_ids[computed:computed + real])
+        sent = sent_hashes.get(req_id, 0)
+        sent_hashes[req_id] = len(hashes_all)
+        cached.append(CachedRequest(req_id, computed, tokens,
+                                    _table(cd.new_block_ids[i], groups),
+                                    tuple(hashes_all[sent:])))
+    return SchedulerStep(tuple(new), tuple(cached), tuple(resumed),
+                         tuple(sorted(so.preempted_req_ids or ())),
+                         tuple(sorted(so.finished_req_ids)))
 
 
 class SchedulerSide:
@@ -290,54 +339,16 @@ class SchedulerSide:
         return plan
 
     def _scheduler_step(self, so: Any) -> SchedulerStep:
-        groups = self.groups
         trackers = self.planner.trackers
-        requests = self.requests
-        new: list[NewRequest] = []
-        resumed: list[ResumedRequest] = []
-        cached: list[CachedRequest] = []
-        scheduled = so.num_scheduled_tokens
-        for data in so.scheduled_new_reqs:
-            req_id = data.req_id
-            request = requests[req_id]
-            hashes = tuple(request.block_hashes)
-            self.sent_hashes[req_id] = len(hashes)
-            table = _table(data.block_ids, groups)
+
+        def resumes(req_id: str) -> bool:
             tracker = trackers.get(req_id)
-            if (tracker is not None and tracker.state is RequestState.PREEMPTED
-                    or req_id in self.resuming):
-                # vLLM's other resume shape: a preempted request scheduled as new.
-                self.resuming.discard(req_id)
-                resumed.append(ResumedRequest(req_id, tuple(request.all_token_ids),
-                                              data.num_computed_tokens, scheduled[req_id],
-                                              table, hashes))
-            else:
-                new.append(NewRequest(req_id, tuple(data.prompt_token_ids or ()),
-                                      data.num_computed_tokens, scheduled[req_id], table,
-                                      hashes))
-        cd = so.scheduled_cached_reqs
-        drafts = so.scheduled_spec_decode_tokens
-        for i, req_id in enumerate(cd.req_ids):
-            request = requests[req_id]
-            computed = cd.num_computed_tokens[i]
-            hashes_all = request.block_hashes
-            if req_id in cd.resumed_req_ids:
-                self.resuming.discard(req_id)
-                self.sent_hashes[req_id] = len(hashes_all)
-                resumed.append(ResumedRequest(req_id, tuple(request.all_token_ids), computed,
-                                              scheduled[req_id], _table(cd.new_block_ids[i], groups),
-                                              tuple(hashes_all)))
-                continue
-            real = scheduled[req_id] - len(drafts.get(req_id, ()))
-            tokens = tuple(request.all_token_ids[computed:computed + real])
-            sent = self.sent_hashes.get(req_id, 0)
-            self.sent_hashes[req_id] = len(hashes_all)
-            cached.append(CachedRequest(req_id, computed, tokens,
-                                        _table(cd.new_block_ids[i], groups),
-                                        tuple(hashes_all[sent:])))
-        return SchedulerStep(tuple(new), tuple(cached), tuple(resumed),
-                             tuple(sorted(so.preempted_req_ids or ())),
-                             tuple(sorted(so.finished_req_ids)))
+            return (tracker is not None and tracker.state is RequestState.PREEMPTED
+                    or req_id in self.resuming)
+
+        sched = scheduler_step(so, self.requests, self.sent_hashes, self.groups, resumes)
+        self.resuming.difference_update(r.req_id for r in sched.resumed)
+        return sched
 
     # ------------------------------------------------------------------
     # update_connector_output.

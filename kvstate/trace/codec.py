@@ -101,6 +101,9 @@ def _names(cls: type) -> tuple[str, ...]:
     return names
 
 
+field_names = _names  # a record's field names in trace order, cached
+
+
 def encode_value(value: Any) -> Any:
     kind = type(value)
     if kind in _PLAIN:
@@ -126,11 +129,17 @@ def encode_value(value: Any) -> Any:
 _DUMPS = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def encode_observation(obs: Any, index: int, engine: int = 0, time: float = 0.0) -> str:
+def observation_line(obs: Any, index: int, engine: int = 0, time: float = 0.0
+                     ) -> dict[str, Any]:
+    """One trace line as the JSON object ``encode_observation`` writes."""
     line: dict[str, Any] = {"i": index, "e": engine, "t": time, "type": type(obs).__name__}
     for name in _names(type(obs)):
         line[name] = encode_value(getattr(obs, name))
-    return _DUMPS(line)
+    return line
+
+
+def encode_observation(obs: Any, index: int, engine: int = 0, time: float = 0.0) -> str:
+    return _DUMPS(observation_line(obs, index, engine, time))
 
 
 def encode_header(configs: list[Any], **extra: Any) -> str:
