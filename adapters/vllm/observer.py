@@ -578,7 +578,9 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         self._computed: dict[str, int] = {}  # num_computed_tokens at the lookup
         self._preempted: set[str] = set()
         self._admitted: set[str] = set()  # allocated, not scheduled yet
-        self._lookups: list[tuple[int, str, int, tuple[bytes, ...], int]] = []
+        # Lookups answered to vLLM, waiting for rank 0's store answers:
+        # (step, place in the order, request, tokens, hashes, hit).
+        self._lookups: list[tuple[int, int, str, int, tuple[bytes, ...], int]] = []
         self._events: list[Any] = []
         self._full_hashes: dict[int, bytes] = {}  # short_hash -> hash, from the reports
         # Per request: the block table and hash count its generation's last
@@ -592,7 +594,8 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
                        non_block: bool = False) -> Any:
                 result = client_lookup(req_id, num_tokens, block_hashes, non_block=non_block)
                 if result is not None and self._log is not None and self._log.active:
-                    self._lookups.append((self._step + 1, req_id, num_tokens,
+                    self._lookups.append((self._step + 1, self._log.reserve(), req_id,
+                                          num_tokens,
                                           tuple(_hash_bytes(h) for h in block_hashes),
                                           result.hit_length))
                 return result
@@ -739,11 +742,11 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         log = self._log
         assert log is not None
         for num_tokens, keys, present, _hit in answered:
-            for i, (step, req_id, asked, hashes, hit) in enumerate(self._lookups):
+            for i, (step, seq, req_id, asked, hashes, hit) in enumerate(self._lookups):
                 if asked == num_tokens:
                     del self._lookups[i]
                     log.scheduling(step, LookupDone(req_id, NO_GENERATION, asked, hashes,
-                                                    keys, present, hit))
+                                                    keys, present, hit), seq=seq)
                     break
 
     def take_events(self) -> Iterable[Any]:

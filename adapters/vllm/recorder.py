@@ -159,9 +159,17 @@ class EngineLog:
             named = {} if self.protocol is None else {"protocol": self.protocol}
             self._file.write(encode_header([self.config], **named, **header) + "\n")
 
-    def scheduling(self, step: int, obs: Observation) -> None:
+    def reserve(self) -> int:
+        """A place in the scheduling order for a record written later
+        (``scheduling(..., seq=)``): the observer learns a lookup's store
+        answers only from the worker metadata, after the step's plan."""
         self._seq += 1
-        self._pending.append(((step, _SCHEDULING, -1, self._seq), obs))
+        return self._seq
+
+    def scheduling(self, step: int, obs: Observation, seq: int | None = None) -> None:
+        if seq is None:
+            seq = self.reserve()
+        self._pending.append(((step, _SCHEDULING, -1, seq), obs))
 
     def settlement(self, step: int, obs: Observation) -> None:
         self._seq += 1
