@@ -17,7 +17,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(envelope({"ok": result.ok, "violations": [] if d is None else [
             {"invariant": "divergence", "event_index": d.line, "message":
-             f"{d.kind}{d.field}: expected {d.expected}, got {d.got}"}],
+             f"{d.kind}{d.field}: expected {d.expected}, got {d.got}",
+             "decision": d.decision}],
             "protocol": result.protocol, "lines": result.lines,
             "outputs_compared": result.compared}))
     else:
@@ -25,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
               f"{result.compared} outputs compared over {result.lines} lines")
         if d is not None:
             print(f"DIVERGENCE at line {d.line} (engine {d.engine}), {d.kind}{d.field}:")
+            print(f"  {d.decision}")
             print(f"  recorded: {d.expected}")
             print(f"  model:    {d.got}")
         print(f"result: {'identical' if result.ok else 'DIVERGED'}")
