@@ -159,7 +159,15 @@ REQUEST_TABLE: dict[RequestState, dict[RequestEvent, RequestState]] = {
         _RE.RESUME: _R.RESUMED,
         _RE.FINISH: _R.FINISHED,
     },
-    _R.LOOKUP_PENDING: {_RE.ALLOCATE: _R.ALLOCATED, _RE.FINISH: _R.FINISHED},
+    _R.LOOKUP_PENDING: {
+        _RE.ALLOCATE: _R.ALLOCATED,
+        # vLLM asks again every step it cannot admit a waiting request (no
+        # blocks, no token budget): upstream's connector looks the store up
+        # again each time (seen in its observed trace); kvstate's answers
+        # from the hit it already has.
+        _RE.LOOKUP_STARTED: _R.LOOKUP_PENDING,
+        _RE.FINISH: _R.FINISHED,
+    },
     _R.ALLOCATED: {
         _RE.PARK_FOR_LOAD: _R.LOAD_PARKED,
         _RE.SCHEDULE_PREFILL: _R.PREFILLING,

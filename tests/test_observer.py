@@ -25,6 +25,7 @@ pytest.importorskip("mooncake.store")
 
 from adapters.master import Master  # noqa: E402
 from sim.check import check_trace  # noqa: E402
+from sim.replay import replay_trace  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,28 @@ def test_a_clean_run_of_upstreams_connector_checks_clean(runs: dict[str, Any]) -
     loaded = [r for r in records(reader) if r["type"] == "LoadDone"]
     hits = [r for r in records(reader) if r["type"] == "LookupDone" and r["hit_tokens"]]
     assert loaded and hits and all(not r["failed_block_ids"] for r in loaded)
+
+
+def test_upstreams_own_traces_replay_identically_under_e2(runs: dict[str, Any]) -> None:
+    """`e2` is kvstate's model of upstream's bookkeeping: fed the inputs of
+    upstream's own trace (vLLM's job numbering from 0, whole block tables,
+    lookups repeated while a request waits), it takes every decision
+    upstream took, the hazards H2 and H3 included."""
+    for name in ("clean", "reused-id", "no-space"):
+        for trace in runs[name]["traces"]:
+            result = replay_trace(trace, protocol="e2")
+            assert result.ok and result.compared > 10, (trace, result.divergence)
+
+
+def test_replay_names_h6_as_the_decision_where_e2_parts_from_upstream(
+        runs: dict[str, Any]) -> None:
+    """`e2` copies upstream except H5 and H6 (specs/conformance.md): on the
+    short read, replay parts ways at the load report, naming the block."""
+    _, reader = runs["short-read"]["traces"]
+    divergence = replay_trace(reader, protocol="e2").divergence
+    assert divergence is not None and divergence.field.endswith("reported_block_ids")
+    assert "the model reports blocks" in divergence.decision and "the trace []" in \
+        divergence.decision
 
 
 def test_h2_a_reused_id_inheriting_a_stale_saved_offset_is_s10(runs: dict[str, Any]) -> None:

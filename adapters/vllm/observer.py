@@ -244,6 +244,7 @@ class _Job:
         self.present: dict[str, bool] = {}
         self.put: dict[str, int] = {}
         self.raised = False
+        self.raised_keys: tuple[str, ...] = ()
         self.events: list[Any] = []
         # Read where the send thread starts the job (`_RankTap.job_started`).
         self.live = False
@@ -283,7 +284,7 @@ class _StoreTap:
         try:
             answers = self._store.batch_is_exist(keys)
         except Exception as exc:
-            self._rank.raised(work, f"batch_is_exist: {exc}")
+            self._rank.raised(work, f"batch_is_exist: {exc}", keys)
             raise
         if isinstance(work, _Job):
             present = tuple(a == 1 for a in answers)
@@ -300,7 +301,7 @@ class _StoreTap:
         try:
             codes = self._store.batch_put_from_multi_buffers(keys, *args, **kwargs)
         except Exception as exc:
-            self._rank.raised(work, f"batch_put_from_multi_buffers: {exc}")
+            self._rank.raised(work, f"batch_put_from_multi_buffers: {exc}", keys)
             raise
         if isinstance(work, _Job):
             for key, code in zip(keys, codes):
@@ -315,7 +316,7 @@ class _StoreTap:
             answers = self._store.batch_get_into_multi_buffers(keys, addrs, sizes, *args,
                                                                **kwargs)
         except Exception as exc:
-            self._rank.raised(work, f"batch_get_into_multi_buffers: {exc}")
+            self._rank.raised(work, f"batch_get_into_multi_buffers: {exc}", keys)
             raise
         if isinstance(work, _Load):
             for key, got, want in zip(keys, answers, sizes):
@@ -352,9 +353,10 @@ class _RankTap:
             self.observations.append(RankObservation(self.plan_step, self.shipped + 1,
                                                      self.rank, self._seq, obs))
 
-    def raised(self, work: Any, error: str) -> None:
+    def raised(self, work: Any, error: str, keys: list[str]) -> None:
         if isinstance(work, _Job):
             work.raised = True
+            work.raised_keys = tuple(keys)
             self.observe(StoreCallRaised(self.rank, work.meta.store_job_id, error[:300]))
 
     @staticmethod
@@ -405,20 +407,23 @@ class _RankTap:
     def job_finished(self, job: _Job) -> None:
         """Called inside the send thread's ``finish_store_job``, under ``lock``."""
         meta = job.meta
-        stored: list[tuple[int, int]] = []
-        failed: list[tuple[int, int]] = []
-        for key, there in job.present.items():
-            if there and key not in job.put:
-                where = self.chunk_of(meta, key)
-                if where is not None:
-                    stored.append(where)
-        for key, code in job.put.items():
-            where = self.chunk_of(meta, key)
-            if where is not None:
-                (stored if code == 0 else failed).append(where)
+        # kvstate's executor is the reference producer of verdicts: a job
+        # whose puts all succeeded holds every chunk of its range (found or
+        # put); one with a failed put lists the puts that succeeded and
+        # those that failed; one whose store call raised, the keys of that
+        # call as failed.
+        def chunks(keys: Iterable[str]) -> list[tuple[int, int]]:
+            return [w for k in keys if (w := self.chunk_of(meta, k)) is not None]
+
         if job.raised:
-            failed.extend(w for k in job.present if k not in job.put and not job.present[k]
-                          and (w := self.chunk_of(meta, k)) is not None)
+            stored, failed = [], chunks(job.raised_keys)
+        elif any(code != 0 for code in job.put.values()):
+            stored = chunks(k for k, code in job.put.items() if code == 0)
+            failed = chunks(k for k, code in job.put.items() if code != 0)
+        else:
+            stored = chunks(dict.fromkeys([*(k for k, there in job.present.items() if there),
+                                           *job.put]))
+            failed = []
         if not job.live:
             outcome = JobState.STALE
         elif job.skipped:
@@ -577,6 +582,10 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         self._sent_hashes: dict[str, int] = {}
         self._computed: dict[str, int] = {}  # num_computed_tokens at the lookup
         self._preempted: set[str] = set()
+        # Preempted requests looked up again on re-admission: their next
+        # generation starts at that lookup (`kvstate.derive`), so their
+        # allocation is recorded, as KvstateConnector records it.
+        self._relooked: set[str] = set()
         self._admitted: set[str] = set()  # allocated, not scheduled yet
         # Lookups answered to vLLM, waiting for rank 0's store answers:
         # (step, place in the order, request, tokens, hashes, hit).
@@ -594,6 +603,8 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
                        non_block: bool = False) -> Any:
                 result = client_lookup(req_id, num_tokens, block_hashes, non_block=non_block)
                 if result is not None and self._log is not None and self._log.active:
+                    if req_id in self._preempted:
+                        self._relooked.add(req_id)
                     self._lookups.append((self._step + 1, self._log.reserve(), req_id,
                                           num_tokens,
                                           tuple(_hash_bytes(h) for h in block_hashes),
@@ -618,7 +629,8 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         log = self._log
         req_id = request.request_id
         self._requests[req_id] = request
-        if log is None or not log.active or req_id in self._preempted:
+        if log is None or not log.active or (req_id in self._preempted
+                                             and req_id not in self._relooked):
             return  # a resumption: the step's record starts the generation
         if req_id in self._admitted and num_external_tokens == 0:
             return  # vLLM allocates again after an asynchronous load landed
@@ -679,6 +691,7 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         for req_id in (*sched.preempted, *sched.finished):
             self._admitted.discard(req_id)
         self._preempted.difference_update(r.req_id for r in sched.resumed)
+        self._relooked.difference_update(r.req_id for r in sched.resumed)
         self._preempted.update(sched.preempted)
         for req_id in (*(r.req_id for r in sched.new), *(r.req_id for r in sched.resumed)):
             self._admitted.discard(req_id)
@@ -686,6 +699,7 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         for req_id in sched.finished:
             if req_id not in reused:
                 self._preempted.discard(req_id)
+                self._relooked.discard(req_id)
                 self._sent_hashes.pop(req_id, None)
                 self._requests.pop(req_id, None)
         return meta
