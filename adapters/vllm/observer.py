@@ -176,28 +176,35 @@ class ObservedWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-def _new_since(previous: tuple[tuple[tuple[int, ...], ...], int] | None,
-               table: tuple[tuple[int, ...], ...], hashes: int) -> tuple[int, int]:
-    """Where a job's block table and hash chain start to differ from what its
-    generation's previous job carried: the trace writes only that slice.
+# What a generation's previous job carried, per group: (blocks, last block
+# id); and how many hashes.
+Shipped = tuple[tuple[tuple[int, int], ...], int]
+
+
+def _new_since(previous: Shipped | None, block_ids: Any, hashes: int) -> tuple[int, int]:
+    """Where a job's block table and hash chain start to be new since its
+    generation's previous job: the trace writes only that slice.
 
     Upstream ships the whole table with every job; written whole, a request
     at 128k tokens would put 8,192 block ids and hashes on every decode
-    job's line. The contract allows slices (`kvstate.records.SaveMeta`), and
-    the checker rebuilds the table from them, so the line's size follows
-    the new blocks, as kvstate's own metadata does."""
+    job's line (and cost as much to write). The contract allows slices
+    (`kvstate.records.SaveMeta`) and the checker rebuilds the table from
+    them. Within a generation vLLM only appends blocks to a request's table
+    (a replaced table is a resumption, a new generation, shipped whole); a
+    table whose last shipped block moved is shipped whole all the same."""
     if previous is None:
         return 0, 0
-    old, old_hashes = previous
-    start = min(len(t) for t in table) if table else 0
-    for before, now in zip(old, table):
-        same = 0
-        for a, b in zip(before, now):
-            if a != b:
-                break
-            same += 1
-        start = min(start, same)
-    return start, min(old_hashes, hashes)
+    groups, old_hashes = previous
+    start = None
+    for (count, last), table in zip(groups, block_ids):
+        if count > len(table) or (count and table[count - 1] != last):
+            return 0, 0
+        start = count if start is None else min(start, count)
+    return start or 0, min(old_hashes, hashes)
+
+
+def _shipped(block_ids: Any, hashes: int) -> Shipped:
+    return tuple((len(t), t[-1] if t else -1) for t in block_ids), hashes
 
 
 # ----------------------------------------------------------------------
@@ -210,6 +217,8 @@ class _PoolTap:
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
+        # Read on every pin upstream takes: an attribute, not a __getattr__.
+        self.blocks = pool.blocks
         self.touched: list[int] = []
         self.freed: list[int] = []
 
@@ -575,7 +584,8 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
             self._kv_config, None, path=options.trace, monitor=options.monitor,
             header=lambda: trace_header(self._hash_algo,
                                         "vLLM MooncakeStoreConnector, observed by kvstate"),
-            derive_generations=True, keep={"JobFinished": ("now", "skipped_since")})
+            derive_generations=True, keep={"JobFinished": ("now", "skipped_since")},
+            background=True)
         self._step = 0
         self._pool: _PoolTap | None = None
         self._requests: dict[str, Any] = {}
@@ -594,7 +604,7 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         self._full_hashes: dict[int, bytes] = {}  # short_hash -> hash, from the reports
         # Per request: the block table and hash count its generation's last
         # job shipped (`_new_since`).
-        self._shipped: dict[str, tuple[tuple[tuple[int, ...], ...], int]] = {}
+        self._shipped: dict[str, Shipped] = {}
         sched = self.connector_scheduler
         if sched is not None and getattr(sched, "client", None) is not None:
             client_lookup = sched.client.lookup
@@ -666,24 +676,26 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
                        *(r.req_id for r in sched.resumed)):
             shipped.pop(req_id, None)  # a new generation: its first job ships it whole
         for rm in meta.requests:
-            hashes = tuple(_hash_bytes(h) for h in rm.block_hashes)
-            table = _table(rm.block_ids, self._groups)
             if rm.can_save and rm.store_job_id is not None:
                 prefill_end = rm.prefill_end_tokens or 0
                 is_decode = rm.req_id in decoding and decoding[rm.req_id] >= prefill_end
-                bstart, hstart = _new_since(shipped.get(rm.req_id), table, len(hashes))
-                shipped[rm.req_id] = (table, len(hashes))
+                num_hashes = len(rm.block_hashes)
+                bstart, hstart = _new_since(shipped.get(rm.req_id), rm.block_ids, num_hashes)
+                shipped[rm.req_id] = _shipped(rm.block_ids, num_hashes)
                 saves.append(SaveMeta(
                     rm.req_id, NO_GENERATION, rm.store_job_id, rm.token_ids_start,
                     rm.token_len_chunk, prefill_end, is_decode, bstart,
-                    tuple(t[bstart:] for t in table), hstart, hashes[hstart:],
+                    tuple(tuple(t[bstart:]) for t in rm.block_ids), hstart,
+                    tuple(_hash_bytes(h) for h in rm.block_hashes[hstart:]),
                     None if rm.token_ids is None else tuple(rm.token_ids)))
             spec = rm.load_spec
             if spec is not None and spec.can_load:
                 start = spec.vllm_cached_tokens // self._kv_config.block_size \
                     * self._kv_config.block_size
                 loads.append(LoadMeta(rm.req_id, NO_GENERATION, start,
-                                      spec.kvpool_cached_tokens, table, hashes))
+                                      spec.kvpool_cached_tokens,
+                                      _table(rm.block_ids, self._groups),
+                                      tuple(_hash_bytes(h) for h in rm.block_hashes)))
         pins, releases = pool.take() if pool is not None else ((), ())
         log.scheduling(step, StepScheduled(sched))
         log.scheduling(step, Planned(Plan(step, tuple(saves), tuple(loads), pins=pins,
@@ -779,8 +791,8 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
 
     def shutdown(self) -> None:
         log = getattr(self, "_log", None)
-        if log is not None:
-            self._log = None
+        if log is not None and not getattr(self, "_closed", False):
+            self._closed = True
             log.close()
         super().shutdown()
 

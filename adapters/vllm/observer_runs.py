@@ -181,8 +181,8 @@ def _result(name: str, rigs: list[Any], traces: list[str]) -> dict[str, Any]:
     violations = []
     for rig in rigs:
         connector = rig.connector
+        connector.shutdown()  # writes and judges the last lines, closes the trace
         violations += [f"{v.invariant}: {v.message}" for v in connector.violations]
-        connector.shutdown()  # flushes and closes the trace
     return {"scenario": name, "traces": traces, "monitor": violations,
             "finished": sorted(r for rig in rigs for r in rig.finished)}
 

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -118,7 +120,8 @@ class EngineLog:
     def __init__(self, config: Any, protocol: str | None, *, path: str | None, monitor: str,
                  header: Callable[[], dict[str, Any]], layer: str = "annotated",
                  derive_generations: bool = False,
-                 keep: dict[str, tuple[str, ...]] | None = None) -> None:
+                 keep: dict[str, tuple[str, ...]] | None = None,
+                 background: bool = False) -> None:
         """``header`` is called once, at the first flush: what it names (the
         engine's block-hash function and its NONE_HASH) is settled only once
         the engine core initialised its hashing, after the connector was built."""
@@ -145,6 +148,16 @@ class EngineLog:
             from kvstate.derive import Derivation
 
             self._derivation = Derivation([config])
+        # ``background``: lines are encoded, written and judged on a thread
+        # of their own, so the scheduler only orders them (a monitor that
+        # raises must raise in the engine's own call, so it stays inline).
+        self.failed: str | None = None
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        if background and monitor != "raise" and self.active:
+            self._writer = threading.Thread(target=self._drain, daemon=True,
+                                            name="kvstate-trace-writer")
+            self._writer.start()
 
     def _start(self) -> None:
         self._started = True
@@ -195,6 +208,13 @@ class EngineLog:
             while cut < len(self._pending) and self._pending[cut][0] <= limit:
                 cut += 1
         ready, self._pending = self._pending[:cut], self._pending[cut:]
+        if self._writer is not None:
+            self._queue.put(ready)
+            return
+        self._write(ready)
+
+    def _write(self, ready: list[tuple[tuple[int, int, int, int], Observation]]) -> None:
+        """Encode, write and judge ``ready`` (on the writer thread, if any)."""
         lines: list[str] = []
         if self._derivation is not None:
             self._flush_derived(ready, lines)
@@ -256,10 +276,30 @@ class EngineLog:
             first = fresh[0]
             raise InvariantViolated(f"{first.invariant}: {first.message}")
 
+    def _drain(self) -> None:
+        """The writer thread: batches in order; a failure is logged once and
+        stops the trace, never the engine."""
+        while True:
+            ready = self._queue.get()
+            if ready is None:
+                return
+            if self.failed is not None:
+                continue
+            try:
+                self._write(ready)
+            except Exception as exc:  # noqa: BLE001 - the engine must not die of its log
+                self.failed = f"{type(exc).__name__}: {exc}"
+                logger.exception("kvstate trace writer failed; the trace stops here")
+
     def close(self) -> None:
         try:
             self.flush(None)
         finally:
+            writer = self._writer
+            if writer is not None:
+                self._writer = None
+                self._queue.put(None)
+                writer.join()
             if self._file is not None:
                 self._file.close()
                 self._file = None
