@@ -425,6 +425,34 @@ def test_the_master_killed_mid_run_leaves_outputs_unchanged_and_nothing_pinned(
     assert_trace_checks_and_replays(killed["trace"])
 
 
+def test_an_engine_killed_mid_run_leaves_a_trace_of_every_step_it_ended(
+        tmp_path, model) -> None:
+    """The engine's process SIGKILLs itself after its 12th step: the trace
+    holds the lines of all 12 steps (the recorder writes each step's lines
+    when the step ends, ranks shipping metadata every step), and its
+    complete lines check with ``--at-end open``. Before, a step whose ranks
+    saved and loaded nothing (decode steps without decode saves) was written
+    only at the next step that did: the 12 steps left 5 in the trace."""
+    import json
+
+    from adapters.vllm.engine import EngineFailed
+    from sim.check import check_trace
+
+    requests = [EngineRequest(f"d{i}", prompt(70 + 5 * i, 90 + i), 40) for i in range(3)]
+    deployment = start_deployment(tmp_path, model)
+    try:
+        with pytest.raises(EngineFailed, match="exited with -9"):
+            deployment.run("dies", [Wave(requests, die_after_steps=12)])
+    finally:
+        deployment.close()
+    trace = tmp_path / "dies.jsonl"
+    steps = [json.loads(line)["step"] for line in trace.read_text().splitlines()[1:]
+             if '"type":"StepScheduled"' in line]
+    assert len(steps) == 12, len(steps)
+    checked = check_trace(trace, at_end="open")
+    assert checked.ok, checked.findings[:3]
+
+
 def test_multi_process_engine_as_vllm_serve_runs_it(tmp_path, model) -> None:
     """The default mode (engine core in its own process, spawned): outputs
     equal, the trace the engine core wrote checks and replays."""

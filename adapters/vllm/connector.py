@@ -279,9 +279,16 @@ class KvstateConnector(KVConnectorBase_V1):
         return self._work().take_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        reports, load_reports, observations = self._work().take_output()
-        if not (reports or load_reports or observations):
+        worker = self._work()
+        reports, load_reports, observations = worker.take_output()
+        if not (reports or load_reports or observations or worker.record):
             return None
+        # A recording engine ships metadata every step, empty or not: vLLM
+        # calls update_connector_output only for a step with some connector
+        # output, and that call is where the recorder writes the step's
+        # lines. Without it, a step whose ranks saved and loaded nothing was
+        # written only at the next step that did, and an engine killed
+        # meanwhile lost every such step (`adapters/vllm/recorder.py`).
         return KvstateWorkerMetadata(reports, load_reports, observations)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -32,7 +32,8 @@ serve`` runs) only the outputs and the trace come back.
 
 ``kill`` in a wave sends SIGKILL to a process (a Mooncake master) once the
 engine has run ``kill_after_steps`` steps of that wave: the store dies under
-a running engine, not between two.
+a running engine, not between two. ``die_after_steps`` makes the engine's
+own process SIGKILL itself: a crash, and the trace it leaves.
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ class Wave:
     requests: list[EngineRequest]
     kill: int | None = None  # a pid to SIGKILL during this wave
     kill_after_steps: int = 3
+    # The engine's own process SIGKILLs itself once this many steps of the
+    # wave ended: what a crash leaves behind (the recorder's trace).
+    die_after_steps: int | None = None
 
 
 @attrs.frozen
@@ -398,6 +402,8 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
     added_at = dict.fromkeys((r.req_id for r in wave.requests if r.follows is None), started)
     killed = False
     while engine.has_unfinished_requests() or waiting:
+        if wave.die_after_steps is not None and steps >= wave.die_after_steps:
+            os.kill(os.getpid(), signal.SIGKILL)
         if wave.kill is not None and not killed and steps >= wave.kill_after_steps:
             os.kill(wave.kill, signal.SIGKILL)
             killed = True

@@ -25,10 +25,11 @@ it) and, across ranks and the scheduler, an order consistent with causality:
 a rank acts on plan k only after Planned k, and a report is delivered only
 after the rank produced it. When step k's settlement arrives (at
 ``update_connector_output`` of step k) everything up to it is known, so lines
-are written then, through step k. A step whose ranks ship no worker metadata
-(nothing saved, loaded or reported) settles nothing and writes nothing: its
-lines wait for the next step that does, or for ``close``. A process killed
-meanwhile loses them; what was written is a whole trace of the steps before
+are written then, through step k, and flushed to the operating system. A
+recording engine's ranks ship worker metadata every step (empty or not), so
+vLLM calls ``update_connector_output`` every step and each step's lines are
+written when the step ends: a process killed (SIGKILL) loses at most the
+step it was in, and what was written is a whole trace of the steps before
 (check it with ``--at-end open``).
 
 The trace's time is the step number (the executors' clock in the connector);
