@@ -64,8 +64,8 @@ def test_a_clean_run_of_upstreams_connector_checks_clean(runs: dict[str, Any]) -
     trace breaks no invariant, online or offline."""
     run = runs["clean"]
     assert run["monitor"] == []
-    writer, reader = run["traces"]
-    assert findings(writer) == [] and findings(reader) == []
+    writer, reader, late = run["traces"]
+    assert findings(writer) == [] and findings(reader) == [] and findings(late) == []
     lines = records(writer)
     kinds = {r["type"] for r in lines}
     assert {"StepScheduled", "Planned", "LookupDone", "Allocated", "JobStarted",
@@ -81,6 +81,11 @@ def test_a_clean_run_of_upstreams_connector_checks_clean(runs: dict[str, Any]) -
     loaded = [r for r in records(reader) if r["type"] == "LoadDone"]
     hits = [r for r in records(reader) if r["type"] == "LookupDone" and r["hit_tokens"]]
     assert loaded and hits and all(not r["failed_block_ids"] for r in loaded)
+    # Asynchronous lookups (upstream's lookup_async): every hit is recorded
+    # with the store's answers that support it.
+    late_hits = [r for r in records(late) if r["type"] == "LookupDone" and r["hit_tokens"]]
+    assert {r["req_id"] for r in late_hits} == {"b3", "d3"}
+    assert all(r["present"] and any(r["present"]) for r in late_hits)
 
 
 def test_upstreams_own_traces_replay_identically_under_e2(runs: dict[str, Any]) -> None:

@@ -115,6 +115,9 @@ NO_GENERATION = UNKNOWN
 _KEY = re.compile(r"@group:(\d+)@([0-9a-f]+)$")
 # Mooncake's "no space": upstream marks the request skipped (hazard H3).
 NO_AVAILABLE_HANDLE = -200
+# Rank 0's lookup answers kept unpaired: lookups are paired within a step
+# or two; more than this many waiting means their lookups were abandoned.
+ANSWERS_KEPT = 64
 # Hashes remembered to name published events (`short_hash`): reported events
 # are published within a step or two; this bounds the map on a long run.
 FULL_HASHES_KEPT = 1 << 16
@@ -600,6 +603,8 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         # Lookups answered to vLLM, waiting for rank 0's store answers:
         # (step, place in the order, request, tokens, hashes, hit).
         self._lookups: list[tuple[int, int, str, int, tuple[bytes, ...], int]] = []
+        # Rank 0's answers not paired yet: (tokens, keys, present, hit).
+        self._answers: list[tuple[int, tuple[str, ...], tuple[bool, ...], int]] = []
         self._events: list[Any] = []
         self._full_hashes: dict[int, bytes] = {}  # short_hash -> hash, from the reports
         # Per request: the block table and hash count its generation's last
@@ -619,6 +624,7 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
                                           num_tokens,
                                           tuple(_hash_bytes(h) for h in block_hashes),
                                           result.hit_length))
+                    self._pair_lookups()
                 return result
 
             sched.client.lookup = lookup  # type: ignore[method-assign]
@@ -739,7 +745,8 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         step = self._step
         full = self._full_hashes
         if observed is not None:
-            self._answer_lookups(observed.lookups)
+            self._answers.extend(observed.lookups)
+            self._pair_lookups()
             log.ranks(observed.observations)
             for _, report in observed.reports:
                 for event in report.events:
@@ -761,19 +768,29 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
                 del full[stale]
         log.flush(step)
 
-    def _answer_lookups(self, answered: list[tuple[int, tuple[str, ...],
-                                                   tuple[bool, ...], int]]) -> None:
-        """Pair the scheduler's lookups with rank 0's store answers (one
-        lookup server answers them one at a time, in order)."""
+    def _pair_lookups(self) -> None:
+        """Pair the scheduler's lookups with rank 0's store answers, in order
+        (one lookup server answers them one at a time). Either may come
+        first: a synchronous lookup's answers arrive in the step's worker
+        metadata, after vLLM got the hit; an asynchronous one's may arrive a
+        step before vLLM collects the hit."""
         log = self._log
         assert log is not None
-        for num_tokens, keys, present, _hit in answered:
-            for i, (step, seq, req_id, asked, hashes, hit) in enumerate(self._lookups):
-                if asked == num_tokens:
-                    del self._lookups[i]
-                    log.scheduling(step, LookupDone(req_id, NO_GENERATION, asked, hashes,
-                                                    keys, present, hit), seq=seq)
-                    break
+        answers = self._answers
+        waiting = []
+        for pending in self._lookups:
+            step, seq, req_id, asked, hashes, hit = pending
+            match = next((i for i, answer in enumerate(answers) if answer[0] == asked), None)
+            if match is None:
+                waiting.append(pending)
+                continue
+            _, keys, present, _hit = answers.pop(match)
+            log.scheduling(step, LookupDone(req_id, NO_GENERATION, asked, hashes, keys,
+                                            present, hit), seq=seq)
+        self._lookups = waiting
+        # An answer no lookup claims (one the client abandoned) must not pair
+        # with a later lookup of the same length for ever: keep the newest.
+        del answers[:-ANSWERS_KEPT]
 
     def take_events(self) -> Iterable[Any]:
         events, self._events = self._events, []

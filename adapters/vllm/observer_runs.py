@@ -129,14 +129,15 @@ _KEPT: list[Any] = []
 
 
 def observed_engine(model_dir: str, trace: str, prefix: str, *, num_blocks: int = 64,
-                    max_num_batched_tokens: int = 256, monitor: str = "log") -> Any:
+                    max_num_batched_tokens: int = 256, monitor: str = "log",
+                    lookup_async: bool = False) -> Any:
     from .rig import Rig, make_vllm_config
 
     global _LOOKUP_PORT
     _LOOKUP_PORT += 1
     extra = {"cache_prefix": prefix, "save_decode_cache": True, "enable_lookup": True,
              "lookup_rpc_port": _LOOKUP_PORT, "kvstate_trace": trace,
-             "kvstate_monitor": monitor}
+             "kvstate_monitor": monitor, "lookup_async": lookup_async}
     vc = make_vllm_config(model_dir, connector="ObservedMooncakeStoreConnector",
                           module="adapters.vllm", extra=extra, num_blocks=num_blocks,
                           kv_events=True, max_num_batched_tokens=max_num_batched_tokens)
@@ -206,7 +207,13 @@ def clean(model_dir: str, out: str) -> dict[str, Any]:
     reader = observed_engine(model_dir, second, prefix)
     run_steps(reader, {0: [("a2", shared + prompt(2 * BLOCK + 5, 2), 2),
                            ("c2", prompt(5 * BLOCK, 4), 2)]})
-    return _result("clean", [writer, reader], [first, second])
+    # Asynchronous lookups: vLLM collects the hit a step after asking, and
+    # rank 0's answers may reach the observer before the hit does.
+    third = os.path.join(out, "clean-async-lookup.trace")
+    late = observed_engine(model_dir, third, prefix, lookup_async=True)
+    run_steps(late, {0: [("b3", shared + prompt(BLOCK, 3), 2)],
+                     1: [("d3", prompt(4 * BLOCK + 3, 5), 2)]})
+    return _result("clean", [writer, reader, late], [first, second, third])
 
 
 def no_space(model_dir: str, out: str, faults: StoreFaults) -> dict[str, Any]:
