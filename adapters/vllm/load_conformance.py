@@ -296,7 +296,11 @@ def _settle_worker(worker: Any, timeout: float = 30.0) -> bool:
 # One side, one scenario.
 
 
-_LOOKUP_PORT = 0
+# Upstream's lookup server binds an IPC path named after ``lookup_rpc_port``
+# in a directory every process shares (``VLLM_RPC_BASE_PATH``): a second
+# process with the same number unlinks the first's socket. Numbers start
+# from this process's id, so concurrent runs never meet.
+_LOOKUP_PORT = os.getpid() * 64
 
 
 def _extra(side: str, prefix: str, scenario: Scenario) -> dict[str, Any]:

@@ -124,7 +124,11 @@ class StoreFaults:
             Binding.batch_get_into_multi_buffers = real_get
 
 
-_LOOKUP_PORT = 100
+# Upstream's lookup server binds an IPC path named after ``lookup_rpc_port``
+# in a directory every process shares (``VLLM_RPC_BASE_PATH``): a second
+# process with the same number unlinks the first's socket. Numbers start
+# from this process's id, so concurrent runs never meet.
+_LOOKUP_PORT = os.getpid() * 64
 _KEPT: list[Any] = []
 
 
