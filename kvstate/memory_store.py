@@ -2,7 +2,8 @@
 
 ``put`` of an existing key answers 0 and keeps the old value (first write
 wins); ``exists`` answers per key; ``get`` of a missing key answers ``None``
-(Mooncake returns ``b''``). Faults are scripted by tests through ``answer``:
+(Mooncake returns ``b''``), and ``read``, the same get with its code, answers
+-704 (OBJECT_NOT_FOUND) for it. Faults are scripted by tests through ``answer``:
 a function from (operation, rank, key) to a return code, or an exception
 instance to raise (`kvstate.store_codes.StoreCode`: -200 no space, -800
 transfer failure, -900 RPC failure).
@@ -11,6 +12,8 @@ transfer failure, -900 RPC failure).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from kvstate.store_codes import StoreCode
 
 
 class StoreRaised(Exception):
@@ -37,6 +40,12 @@ class MemoryStore:
             raise got
         return got
 
+    def holds(self, key: str) -> bool:
+        """Whether a put of ``key`` finds it taken: it answers 0 and stores
+        nothing (Mooncake's ``PutStart`` answers OBJECT_ALREADY_EXISTS, which
+        the client reports as success). Here: the key is stored."""
+        return key in self.objects
+
     def exists(self, rank: int, keys: Sequence[str]) -> list[bool]:
         self.exists_keys += len(keys)
         for key in keys:
@@ -49,7 +58,7 @@ class MemoryStore:
         self.puts += 1
         if code != 0:
             return code, False
-        if key in self.objects:
+        if self.holds(key):
             return 0, False
         self.objects[key] = content
         return 0, True
@@ -65,7 +74,7 @@ class MemoryStore:
             self.puts += 1
             if code != 0:
                 out.append((code, False))
-            elif key in self.objects:
+            elif self.holds(key):
                 out.append((0, False))
             else:
                 self.objects[key] = content
@@ -77,9 +86,18 @@ class MemoryStore:
         return self.get(rank, key)
 
     def get(self, rank: int, key: str) -> str | None:
-        if self._ask("get", rank, key) != 0:
-            return None
-        return self.objects.get(key)
+        return self.read(rank, key)[1]
+
+    def read(self, rank: int, key: str) -> tuple[int, str | None]:
+        """One get with its code: (0, content); (-704, None) for a key the
+        store does not hold; (the scripted code, None) for a failure."""
+        code = self._ask("get", rank, key)
+        if code != 0:
+            return code, None
+        content = self.objects.get(key)
+        if content is None:
+            return int(StoreCode.OBJECT_NOT_FOUND), None
+        return 0, content
 
     def evict(self, key: str) -> bool:
         return self.objects.pop(key, None) is not None

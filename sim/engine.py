@@ -7,7 +7,9 @@ preemption by recompute when blocks run out, resumption as a new generation)
 on the kernel's clock: one scheduler step every ``step_time`` seconds while
 there is work, arrivals at their times, and one ``RankThread`` per
 tensor-parallel rank — a FIFO send thread whose store calls take the store's
-latency, may hang (until the protocol's timeout, if it has one) or stall.
+latency, may hang (until the protocol's timeout, if it has one; a put may hang
+after the master took its PutStart, leaving its keys puts in progress) or
+stall. The master may restart between steps, losing every object.
 Reports reach the planner at the next step, as vLLM's worker metadata does.
 
 Admission is vLLM's: a request whose prompt plus maximum output exceeds
@@ -70,16 +72,29 @@ class RankThread:
         _, call = pending
         op = "exists" if type(call).__name__ == "ExistsCall" else "put"
         latency = engine.store.latency(op, len(call.keys))
+        if op == "put" and engine.faults.fire("put_preempted"):
+            # The master took the call's PutStarts, then its transfer hangs:
+            # no PutEnd or PutRevoke follows, so the store keeps the keys as
+            # puts in progress until a put preempts them (sim.store).
+            engine.store.start_puts(call.keys)
+            self._hang(op)
+            return
         if engine.faults.fire("store_hang"):
-            timeout = harness.variant.call_timeout
-            if timeout is None:
-                self.hung = True  # upstream: the call never returns; its pins stay
-                engine.hung_calls += 1
-                return
-            engine.kernel.schedule(timeout, lambda: self._call(TimeoutError(
-                f"store {op} timed out after {timeout}s")))
+            self._hang(op)
             return
         engine.kernel.schedule(latency, self._call)
+
+    def _hang(self, op: str) -> None:
+        """The pending call never returns: the rank waits for the protocol's
+        timeout, if it has one, and the call then raises."""
+        engine = self.engine
+        timeout = engine.harness.variant.call_timeout
+        if timeout is None:
+            self.hung = True  # upstream: the call never returns; its pins stay
+            engine.hung_calls += 1
+            return
+        engine.kernel.schedule(timeout, lambda: self._call(TimeoutError(
+            f"store {op} timed out after {timeout}s")))
 
     def _call(self, fail: BaseException | None = None) -> None:
         self.calls += 1
@@ -179,6 +194,8 @@ class SimEngine:
             preempt.append(harness.running[-1].req_id)
         if self.faults.fire("evict"):
             self.store.evict_oldest()
+        if self.faults.fire("master_restart"):
+            self.store.restart_master()
         harness.step(preempt=preempt)
         self.steps += 1
         for thread in self.threads:

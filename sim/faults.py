@@ -26,6 +26,16 @@ SITES: dict[str, str] = {
     "store_hang": "a store call hangs (until the timeout, if the protocol has one)",
     "evict": "the store evicts its oldest key",
     "rank_stall": "a rank's send thread stalls for a while",
+    # Mooncake's own failure modes (mooncake-store docs and source; sim/store.py).
+    "master_restart": "the master restarts: every object is lost at once, puts work again "
+                      "right after (clients remount)",
+    "lease_expired": "a get of a key the store holds answers -707 (its lease ran out "
+                     "before the transfer ended)",
+    "get_error": "a get answers -800, -801, -900 or -901",
+    "put_codes": "a put answers -704, -900 or -901",
+    "put_preempted": "a put hangs after its PutStart: its keys stay puts in progress (absent "
+                     "to lookups; a put of one answers 0, stores nothing) until a put 30s "
+                     "later preempts it",
 }
 
 # Per-visit firing rates a site may draw; rare to frequent.

@@ -53,11 +53,12 @@ def run(args: argparse.Namespace) -> int:
                 f"FAST'25 trace, {options.requests} requests, lengths / {options.scale}")
     print(f"workload: {workload}")
     print("fault swarm (site, per-visit rate when on):")
+    width = max((len(site) for site in options.faults), default=0)
     for site in options.faults:
         rate = result.fault_rates.get(site)
         fired = result.fault_fired.get(site, 0)
         state = f"on  {rate:.3f}  fired {fired}" if rate is not None else "off"
-        print(f"  {site:13s} {state}")
+        print(f"  {site:{width}s} {state}")
     f = result.figures
     rows = [["simulated", f"{f['simulated_seconds']:.2f} s virtual, {f['wall_seconds']:.2f} s wall"],
             ["kernel events", str(f["kernel_events"])],
