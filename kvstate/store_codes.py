@@ -19,12 +19,21 @@ class StoreCode(enum.IntEnum):
     #: Bad arguments, also an empty value or one larger than the client's
     #: local buffer.
     INVALID_PARAMS = -600
+    #: A get of an object whose put has not ended.
+    REPLICA_IS_NOT_READY = -703
+    #: Also ``PutEnd`` of an object whose metadata went meanwhile.
     OBJECT_NOT_FOUND = -704
     #: ``remove`` of an object another client holds a lease on.
     OBJECT_HAS_LEASE = -706
+    #: ``Client::Get``: the lease its query took ran out mid-transfer.
+    LEASE_EXPIRED = -707
     TRANSFER_FAIL = -800
+    #: ``Client::Get``: the bytes read fail the object's checksum.
+    CHECKSUM_MISMATCH = -801
     #: The master is unreachable (killed, restarting).
     RPC_FAIL = -900
+    #: The master did not answer in time.
+    RPC_TIMEOUT = -901
 
 
 def code_name(code: int) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvstate.memory_store import MemoryStore, StoreRaised
+from kvstate.store_codes import StoreCode
 from sim.faults import Faults
 from sim.kernel import Kernel
 
@@ -35,16 +36,15 @@ from sim.kernel import Kernel
 EXISTS_LATENCY = 0.00008
 PUT_LATENCY_PER_KEY = 0.0003
 
-# Mooncake's ErrorCode values (mooncake-store/include/types.h; those a
-# connector names are in kvstate.store_codes).
-NO_AVAILABLE_HANDLE = -200
-REPLICA_IS_NOT_READY = -703  # a get of an object whose put has not ended
-OBJECT_NOT_FOUND = -704  # also PutEnd of an object whose metadata went meanwhile
-LEASE_EXPIRED = -707  # Client::Get: the lease its query took ran out mid-transfer
-TRANSFER_FAIL = -800
-CHECKSUM_MISMATCH = -801  # Client::Get: the bytes read fail the object's checksum
-RPC_FAIL = -900  # the master is unreachable (killed, restarting)
-RPC_TIMEOUT = -901  # the master did not answer in time
+# Mooncake's ErrorCode values, named once (`kvstate.store_codes`).
+NO_AVAILABLE_HANDLE = StoreCode.NO_AVAILABLE_HANDLE
+REPLICA_IS_NOT_READY = StoreCode.REPLICA_IS_NOT_READY
+OBJECT_NOT_FOUND = StoreCode.OBJECT_NOT_FOUND
+LEASE_EXPIRED = StoreCode.LEASE_EXPIRED
+TRANSFER_FAIL = StoreCode.TRANSFER_FAIL
+CHECKSUM_MISMATCH = StoreCode.CHECKSUM_MISMATCH
+RPC_FAIL = StoreCode.RPC_FAIL
+RPC_TIMEOUT = StoreCode.RPC_TIMEOUT
 
 # What the ``get_error`` and ``put_codes`` sites answer. A get's -704 and -703
 # are not drawn: the store answers them for itself, for a key it lost
