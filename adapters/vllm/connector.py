@@ -16,6 +16,14 @@ metas, ended generations — delta metadata, so its size follows the new blocks,
 not the context) as ``KVConnectorMetadata``; the ranks' reports, load reports
 and (with a trace or monitor on) observations as ``KVConnectorWorkerMetadata``,
 which vLLM aggregates across ranks.
+
+Hybrid models: the connector declares ``SupportsHMA``, so vLLM keeps its
+hybrid KV cache manager on; each KV-cache group (full attention, sliding
+window) is a kvstate group with its own keys, lookup rule and tables
+(`.options.connector_config`; Mamba groups are refused at start, with the
+reason), each rank addresses a block in its group's tensors
+(`.worker_side.KVLayout`), and a failed load is told per request
+(``failed_recving``), the only way vLLM takes it with several groups.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -121,8 +131,10 @@ class KvstateConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-class KvstateConnector(KVConnectorBase_V1):
-    """See the module docstring."""
+class KvstateConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring. ``SupportsHMA``: vLLM keeps its hybrid KV
+    cache manager on (a sliding-window group frees the blocks that left its
+    window); every KV-cache group is a kvstate group (`.options.group_spec`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -214,7 +226,12 @@ class KvstateConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        # The pins hold whatever a save job still reads: never a delayed free.
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # The pins hold whatever a save job still reads, in every group:
+        # never a delayed free.
         self._sched().finished(request.request_id)
         return False, None
 
@@ -238,10 +255,8 @@ class KvstateConnector(KVConnectorBase_V1):
         return self.worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        layers = {name for group in self._kv_cache_config.kv_cache_groups
-                  for name in group.layer_names}
-        ordered = {name: t for name, t in kv_caches.items() if name in layers}
-        self._work().register(ordered, self._kv_cache_config.num_blocks)
+        groups = [list(group.layer_names) for group in self._kv_cache_config.kv_cache_groups]
+        self._work().register(kv_caches, self._kv_cache_config.num_blocks, groups)
 
     def _plan(self) -> Plan:
         meta = self._get_connector_metadata()
@@ -274,6 +289,14 @@ class KvstateConnector(KVConnectorBase_V1):
         if not worker.load_async:
             return None, None
         return None, worker.take_landed_loads() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # With several groups a failed load is told per request, in the pass
+        # that names it received (`WorkerSide.take_failed_loads`).
+        sending, received = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(received or ()),
+            failed_recving=self._work().take_failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

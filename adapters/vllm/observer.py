@@ -571,6 +571,13 @@ class ObservedMooncakeStoreConnector(MooncakeStoreConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         self._kv_config = connector_config(vllm_config, kv_cache_config, self._options)
         self._groups = len(self._kv_config.groups)
+        if self._groups != 1:
+            # Upstream serves hybrid models; the observer has not been shown
+            # to record them faithfully (store groups, window masks, Mamba
+            # boundary puts), and a trace it cannot vouch for is worse than none.
+            raise ValueError(
+                f"ObservedMooncakeStoreConnector records models with one KV-cache group; "
+                f"this one has {self._groups} (hybrid): run MooncakeStoreConnector itself")
         self._hash_algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "")
         self._log: EngineLog | None = None
         self._rank: _RankTap | None = None

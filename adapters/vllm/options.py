@@ -188,12 +188,12 @@ def replication_factor(vllm_config: Any, tp_size: int) -> int:
 
 
 def connector_config(vllm_config: Any, kv_cache_config: Any, options: ConnectorOptions) -> Any:
-    """The protocol's ``ConnectorConfig`` for this engine, from vLLM's configs.
+    """The protocol's ``ConnectorConfig`` for this engine, from vLLM's configs:
+    one ``GroupSpec`` per KV-cache group (`kv_cache_groups`).
 
     Refuses, with the reason, what the connector does not model: pipeline
-    parallelism, decode/prefill context parallelism and more than one KV-cache
-    group (hybrid models) are upstream features kvstate's core has no
-    bookkeeping for yet.
+    parallelism, decode/prefill context parallelism, and KV-cache groups other
+    than full attention and sliding window (`group_spec`).
     """
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
@@ -208,8 +208,34 @@ def connector_config(vllm_config: Any, kv_cache_config: Any, options: ConnectorO
     if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
         unsupported.append(f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}")
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        unsupported.append(f"{len(groups)} KV-cache groups (hybrid models)")
+    specs = []
+    for g, group in enumerate(groups):
+        spec = group_spec(g, group)
+        if isinstance(spec, str):
+            unsupported.append(spec)
+        else:
+            specs.append(spec)
+    sizes = sorted({_unwrap(group.kv_cache_spec).block_size for group in groups})
+    if len(sizes) > 1:
+        # kvstate's GroupSpec has no block size of its own: every group is
+        # chunked, keyed and masked in the connector's one block size.
+        # Upstream stores each group in its own block size at the lcm's
+        # alignment, which the model cannot state yet.
+        unsupported.append(f"KV-cache groups of different block sizes {sizes}")
+    role = vllm_config.kv_transfer_config.kv_role
+    windowed = any(spec.sliding_window is not None for spec in specs)
+    if windowed and role == Role.CONSUMER.value and options.save_decode_cache:
+        # A consumer's first decode save backfills the prompt, planned long
+        # after vLLM freed the prompt's blocks that left the window: the job
+        # would read blocks another request may have taken
+        # (`scheduler_side.SchedulerSide._window_fence`).
+        unsupported.append("save_decode_cache on a kv_consumer with a sliding-window group")
+    if len(groups) > 1 and not options.load_async:
+        # vLLM 0.33.0 takes no block-level load failure from an engine with
+        # several groups (block ids are only unique within a group: the
+        # scheduler raises); a failed load is reported per request
+        # (failed_recving), which exists only for asynchronous loads.
+        unsupported.append("kvstate_load_async=false with several KV-cache groups")
     if unsupported:
         raise ValueError("KvstateConnector does not support " + "; ".join(unsupported))
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
@@ -218,7 +244,6 @@ def connector_config(vllm_config: Any, kv_cache_config: Any, options: ConnectorO
     if tp_size % put_step:
         raise _bad("kvstate_put_step", put_step, f"must divide the TP size {tp_size}")
     kv_events = vllm_config.kv_events_config
-    role = vllm_config.kv_transfer_config.kv_role
     return ConnectorConfig(
         role=Role(role),
         block_size=block_size,
@@ -229,4 +254,65 @@ def connector_config(vllm_config: Any, kv_cache_config: Any, options: ConnectorO
         enable_kv_events=bool(kv_events and kv_events.enable_kv_cache_events),
         model_name=vllm_config.model_config.model,
         cache_prefix=options.cache_prefix,
+        groups=tuple(specs),
     )
+
+
+def _unwrap(spec: Any) -> Any:
+    """A group whose layers differ only in shape (``UniformTypeKVCacheSpecs``)
+    is managed as its layers' one kind, as upstream reads it."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
+# Why a Mamba group is refused. Upstream stores a Mamba group (``align``
+# mode) through two paths the model has no words for yet: boundary states,
+# a request's recurrent state at a chunk boundary handed over by vLLM with
+# its exact block (``kv_connector_block_state.boundary_state_offloads``,
+# pinned outside any save job, since Mamba block tables are not append-only:
+# interior state blocks are nulled and freed, speculative blocks relocate);
+# and partial tails, the state at a prompt end inside a block, registered at
+# finish (``register_finished_partial_tail``). Neither is a chunk of a
+# prefix: the planner's jobs, pins and saved offsets, and the checker's
+# invariants, would first have to state what a state block holds and when
+# its bytes are final.
+MAMBA_REFUSAL = ("a Mamba (state-space) group: its boundary states and partial tails are not "
+                 "chunks of a prefix, and kvstate's model cannot state or check them yet")
+
+
+def group_spec(index: int, group: Any) -> Any:
+    """The ``GroupSpec`` of one vLLM KV-cache group, or why it is refused.
+
+    Kinds follow vLLM's own manager of the group (``KVCacheSpecRegistry``):
+    ``FullAttentionManager`` (full attention, MLA) and ``SlidingWindowManager``
+    (sliding window, MLA with a window) are modelled; a window spec's
+    ``extra_retained_tokens`` widen its window, as upstream's coverage spec
+    does (an external hit allocates those blocks too)."""
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        FullAttentionManager,
+        MambaManager,
+        SlidingWindowManager,
+    )
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from kvstate.config import GroupKind, GroupSpec
+
+    spec = _unwrap(group.kv_cache_spec)
+    name = type(spec).__name__
+    where = f"KV-cache group {index} ({name})"
+    if not group.enable_kv_transfer or not spec.prefix_cacheable:
+        return f"{where}: not transferable or not prefix-cacheable"
+    if group.is_eagle_group or group.host_resident:
+        return f"{where}: EAGLE drafter or host-resident groups"
+    manager = KVCacheSpecRegistry.get_manager_class(spec, getattr(group, "role", None))
+    if manager is MambaManager:
+        return f"{where}: {MAMBA_REFUSAL}"
+    if manager is FullAttentionManager:
+        return GroupSpec()
+    if manager is SlidingWindowManager:
+        window = spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
+        return GroupSpec(GroupKind.SLIDING_WINDOW, window)
+    return f"{where}: kept by vLLM's {getattr(manager, '__name__', manager)}, not modelled"

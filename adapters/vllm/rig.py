@@ -19,6 +19,13 @@ tests, ``kvstate bench vllm`` and the interop check all drive vLLM through it.
   the rank's key namespace — so two requests with a common prefix have equal
   KV bytes for it, as with a real model, and ``expected_block`` says what any
   block must hold. Sampled tokens derive from the request id and position.
+- ``Rig(sliding_window=W)`` runs a hybrid model: full attention on layers 0
+  and 2, a sliding window of ``W`` tokens on layers 1 and 3, each group with
+  its own block tables in vLLM's hybrid KV cache manager, when the
+  connector declares ``SupportsHMA`` (`hybrid_manager_on`); otherwise one
+  full-attention group of all four layers, as vLLM unifies the specs. The
+  KV tensors are laid out as vLLM lays out a hybrid model's: one tensor per
+  layer slot, shared by one layer of each group.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -81,8 +90,13 @@ def tiny_model_dir(path: str | Path, num_kv_heads: int = HEADS) -> str:
     return str(path)
 
 
-def layer_names() -> list[str]:
-    return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+def layer_names(count: int = LAYERS) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(count)]
+
+
+# A hybrid model's layers (`Rig` with a sliding window): full attention on
+# even layers, the window on odd ones (Gemma-like interleaving).
+HYBRID_LAYERS = 4
 
 
 def prefix_values(tokens: list[int]) -> list[int]:
@@ -142,12 +156,45 @@ def make_vllm_config(model_dir: str, *, connector: str = "KvstateConnector",
     return config
 
 
-def make_kv_cache_config(num_blocks: int, block_size: int, head_dim: int = HEAD_DIM
+def make_kv_cache_config(num_blocks: int, block_size: int, head_dim: int = HEAD_DIM,
+                         sliding_window: int | None = None, hybrid: bool = True,
                          ) -> KVCacheConfig:
+    """One full-attention group of ``LAYERS`` layers; with ``sliding_window``,
+    ``HYBRID_LAYERS`` layers: two groups (full attention on even layers, the
+    window on odd ones) when ``hybrid``, else one full-attention group of all
+    of them (what vLLM makes of a sliding-window model when its hybrid KV
+    cache manager is off)."""
+    def full() -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
+                                 head_size=head_dim, dtype=torch.float32)
+
+    if sliding_window is None:
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(layer_names(), full())])
+    names = layer_names(HYBRID_LAYERS)
+    if not hybrid:
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(names, full())])
+    window: KVCacheSpec = SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=HEADS, head_size=head_dim, dtype=torch.float32,
+        sliding_window=sliding_window)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(layer_names(), FullAttentionSpec(
-            block_size=block_size, num_kv_heads=HEADS, head_size=head_dim,
-            dtype=torch.float32))])
+        KVCacheGroupSpec(names[0::2], full()), KVCacheGroupSpec(names[1::2], window)])
+
+
+def hybrid_manager_on(vllm_config: VllmConfig) -> bool:
+    """Decide, as vLLM 0.33.0's ``VllmConfig`` does on a platform with
+    hybrid KV caches (CPU, CUDA) when nobody chose, whether the hybrid KV
+    cache manager stays on: only if the configured connector declares
+    ``SupportsHMA``. This process's platform is vLLM's unspecified one,
+    which turns the manager off for everyone, so the rig decides."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    scheduler = vllm_config.scheduler_config
+    transfer = vllm_config.kv_transfer_config
+    on = transfer is None or KVConnectorFactory.supports_hma_config(transfer)
+    scheduler.disable_hybrid_kv_cache_manager = not on
+    return on
 
 
 class Rig:
@@ -157,12 +204,18 @@ class Rig:
 
     def __init__(self, vllm_config: VllmConfig, num_blocks: int, *,
                  workers: list[Any] | None = None, put_step: int = 1,
-                 head_dim: int = HEAD_DIM) -> None:
+                 head_dim: int = HEAD_DIM, sliding_window: int | None = None) -> None:
         init_none_hash(sha256)
         self.config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = num_blocks
-        self.kv_cache_config = make_kv_cache_config(num_blocks, self.block_size, head_dim)
+        hybrid = sliding_window is not None and hybrid_manager_on(vllm_config)
+        self.kv_cache_config = make_kv_cache_config(num_blocks, self.block_size, head_dim,
+                                                    sliding_window, hybrid)
+        # Each group's layers, with each layer's index (its values' offset).
+        self.groups = [list(g.layer_names) for g in self.kv_cache_config.kv_cache_groups]
+        self.layer_index = {name: int(name.split(".")[2])
+                            for names in self.groups for name in names}
         self.scheduler = Scheduler(
             vllm_config=vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
             structured_output_manager=StructuredOutputManager(vllm_config),
@@ -185,8 +238,7 @@ class Rig:
                         vllm_config, KVConnectorRole.WORKER, self.kv_cache_config))
         self.workers = workers
         for worker in self.workers:
-            caches = {name: torch.zeros((num_blocks, 2, self.block_size, HEADS, head_dim),
-                                        dtype=torch.float32) for name in layer_names()}
+            caches = self._kv_tensors(head_dim)
             worker.register_kv_caches(caches)
             self.caches.append(caches)
         self.requests: dict[str, Request] = {}
@@ -202,6 +254,20 @@ class Rig:
         # get_finished: a harness waits there for the connector's threads
         # (`adapters.vllm.load_conformance`).
         self.settle: Callable[[Any], None] | None = None
+
+    def _kv_tensors(self, head_dim: int) -> dict[str, torch.Tensor]:
+        """One rank's KV tensors by layer: the i-th layer of every group
+        shares the i-th tensor (vLLM's layout; one group: a tensor a layer)."""
+        slots: list[torch.Tensor] = []
+        caches: dict[str, torch.Tensor] = {}
+        for names in self.groups:
+            for i, name in enumerate(names):
+                if i == len(slots):
+                    slots.append(torch.zeros(
+                        (self.num_blocks, 2, self.block_size, HEADS, head_dim),
+                        dtype=torch.float32))
+                caches[name] = slots[i]
+        return dict(sorted(caches.items(), key=lambda item: self.layer_index[item[0]]))
 
     def _keep(self, events: Any) -> list[Any]:
         events = list(events)
@@ -232,11 +298,14 @@ class Rig:
         return float(prefix_values(tokens[:position + 1])[-1]
                      + 65536 * (layer + 4 * self.namespace(rank)))
 
-    def block_holds(self, rank: int, block: int, tokens: list[int], first_position: int) -> bool:
-        """Does ``block`` of ``rank`` hold the KV of ``tokens`` at positions
-        ``[first_position, first_position + block_size)``?"""
+    def block_holds(self, rank: int, block: int, tokens: list[int], first_position: int,
+                    group: int = 0) -> bool:
+        """Does ``block`` of ``rank`` hold, in every layer of KV-cache group
+        ``group``, the KV of ``tokens`` at positions ``[first_position,
+        first_position + block_size)``?"""
         values = prefix_values(tokens[:first_position + self.block_size])
-        for layer, name in enumerate(layer_names()):
+        for name in self.groups[group]:
+            layer = self.layer_index[name]
             cache = self.caches[rank][name]
             for offset in range(self.block_size):
                 want = values[first_position + offset] + 65536 * (layer + 4 * self.namespace(rank))
@@ -248,14 +317,16 @@ class Rig:
         request = self.requests[req_id]
         tokens = list(request.all_token_ids)
         values = prefix_values(tokens[:start + count])
-        (table,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         bs = self.block_size
         for rank, caches in enumerate(self.caches):
-            for layer, name in enumerate(layer_names()):
-                cache = caches[name]
-                base = 65536 * (layer + 4 * self.namespace(rank))
-                for position in range(start, start + count):
-                    cache[table[position // bs], :, position % bs] = float(values[position] + base)
+            for names, table in zip(self.groups, tables):
+                for name in names:
+                    cache = caches[name]
+                    base = 65536 * (self.layer_index[name] + 4 * self.namespace(rank))
+                    for position in range(start, start + count):
+                        cache[table[position // bs], :, position % bs] = float(
+                            values[position] + base)
 
     def step(self) -> Any:
         so = self.scheduler.schedule()

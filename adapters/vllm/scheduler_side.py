@@ -49,6 +49,19 @@ planner's inputs and applies its outputs to the engine:
   when it promoted it) or finished holds nobody back any more, so the wait
   ends (`loading_blocks`).
 
+Several KV-cache groups (a hybrid model; the connector declares vLLM's
+``SupportsHMA``): block tables are one tuple per group, a block id names a
+block of vLLM's one block pool whichever group holds it, so pins and
+releases stay block ids; keys, lookups (the planner's window rule) and puts
+are per group. vLLM's sliding-window manager frees the blocks that left
+the window and nulls them in the request's table, which the planner's
+append-only mirror of the table does not see: a save job reads a window
+block safely only if the job was planned before vLLM freed it. The default
+protocol plans each block's job in the step that computes it, so that
+holds; `_window_fence` checks it every step against vLLM's current tables
+(``SchedulerOutput.kv_connector_block_state``, what upstream saves from)
+and says so when it does not.
+
 Store keys use the engine's own block hashes (``Request.block_hashes``,
 vLLM's sha256 chain) in upstream's key format, so a store either connector
 filled serves the other.
@@ -60,7 +73,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvstate.config import ConnectorConfig
+from kvstate.config import ConnectorConfig, GroupKind
 from kvstate.observations import (
     Allocated,
     LookupDone,
@@ -71,6 +84,7 @@ from kvstate.observations import (
 )
 from kvstate.planner import Planner
 from kvstate.records import (
+    NULL_BLOCK_ID,
     BlockTable,
     CachedRequest,
     NewRequest,
@@ -149,6 +163,10 @@ class SchedulerSide:
         self.load_async = load_async
         self.planner = Planner(config, variant)
         self.groups = len(config.groups)
+        # Groups whose blocks vLLM frees while the request runs (`_window_fence`).
+        self.window_groups = tuple(g for g, spec in enumerate(config.groups)
+                                   if spec.kind is GroupKind.SLIDING_WINDOW)
+        self.fence_said = False
         self.store = lookup_store
         self.log = log
         self.pool: Any = None
@@ -174,7 +192,7 @@ class SchedulerSide:
                          "loads_failed": 0, "lookups_skipped_after_failed_load": 0,
                          "lookups_deferred": 0,
                          "jobs_emitted": 0, "jobs_released": 0, "events_published": 0,
-                         "events_dropped": 0}
+                         "events_dropped": 0, "window_blocks_freed_before_save": 0}
 
     @property
     def step(self) -> int:
@@ -311,6 +329,8 @@ class SchedulerSide:
     def build(self, so: Any) -> Plan:
         sched = self._scheduler_step(so)
         plan = self.planner.step(sched)
+        if self.window_groups and plan.saves:
+            self._window_fence(so, plan)
         pool = self.pool
         if pool is not None:
             if plan.pins:
@@ -337,6 +357,42 @@ class SchedulerSide:
             self.failed_loads.pop(req_id, None)
             self._stop_loading(req_id)
         return plan
+
+    def _window_fence(self, so: Any, plan: Plan) -> None:
+        """Count (and say, once) each sliding-window block a save job of this
+        plan is to read that vLLM no longer holds for the request: it left
+        the window and was freed before the job was planned, so another
+        request may have taken it and written it before the job reads it.
+        A job reads its chunks ``[token_ids_start, token_len)``; a block it
+        re-reads after a failed put was pinned by its first job. vLLM
+        (0.32, 0.33) offers the connector the current tables of the
+        requests scheduled this step; an engine that offers none is not
+        checked."""
+        state = getattr(so, "kv_connector_block_state", None)
+        if state is None:
+            return
+        bs = self.config.block_size
+        trackers = self.planner.trackers
+        freed = 0
+        for save in plan.saves:
+            current = state.get_block_ids(save.req_id)
+            tracker = trackers.get(save.req_id)
+            if current is None or tracker is None or tracker.generation != save.generation:
+                continue
+            for g in self.window_groups:
+                mirror, now = tracker.block_ids[g], current[g]
+                for i in range(save.token_ids_start // bs, min(save.token_len // bs, len(mirror))):
+                    block = mirror[i]
+                    if block != NULL_BLOCK_ID and (i >= len(now) or now[i] != block):
+                        freed += 1
+        if freed:
+            if not self.fence_said:
+                self.fence_said = True
+                logger.warning(
+                    "kvstate: save jobs read %d sliding-window block(s) vLLM freed before "
+                    "the jobs were planned (they left the window): the bytes stored for them "
+                    "may be another request's (counted in window_blocks_freed_before_save)", freed)
+            self.counters["window_blocks_freed_before_save"] += freed
 
     def _scheduler_step(self, so: Any) -> SchedulerStep:
         trackers = self.planner.trackers

@@ -37,9 +37,13 @@ pressure backoff is counted in engine steps, and a recorded trace replays to
 the same verdicts (the trace's time is that step number).
 
 Byte layout. Each layer's KV tensor is blocks-first; a block's value in the
-store is, per layer in ``kv_caches`` order, that layer's bytes of the block —
-the layout upstream's rank-local store layout writes, so either connector
-reads what the other stored.
+store is, per distinct tensor of its KV-cache group's layers in
+``kv_caches`` order, that tensor's bytes of the block — the layout
+upstream's rank-local store layout writes, so either connector reads what
+the other stored (`KVLayout`). Every store call names each key's group
+(``PutCall.groups``, ``GetCall.groups``): the block is addressed in that
+group's tensors. Null blocks (a sliding-window group's blocks that left its
+window) are never in a call: the executor skips them, as upstream does.
 """
 
 from __future__ import annotations
@@ -102,32 +106,73 @@ class RankCounters:
 
 
 class KVLayout:
-    """Where a block's bytes live: per layer, a base address and a block length."""
+    """Where a block's bytes live, per KV-cache group: for each of the
+    group's KV tensors, a base address and a block length.
 
-    def __init__(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
-        self.tensors: list[Any] = []
-        self.bases: list[int] = []
-        self.lengths: list[int] = []
-        for name, tensor in kv_caches.items():
-            if not hasattr(tensor, "data_ptr"):
-                raise ValueError(f"register_kv_caches: layer {name!r} is not a tensor "
-                                 f"({type(tensor).__name__}); Mamba state is not supported")
-            if tensor.shape[0] != num_blocks:
-                raise ValueError(
-                    f"register_kv_caches: layer {name!r} has shape {tuple(tensor.shape)}; "
-                    f"expected blocks first ({num_blocks} blocks on dimension 0)")
-            if not tensor.is_contiguous():
-                raise ValueError(f"register_kv_caches: layer {name!r} is not contiguous")
+    A block id names a block of vLLM's one block pool, which every group
+    draws from; the block's bytes are those of the group it was allocated
+    to. vLLM lays a hybrid model's KV cache out as one tensor per layer
+    slot, shared by one layer of each group, so two groups' layers may be
+    views of one tensor: a group's value is its layers' distinct tensors
+    (by address), in ``kv_caches`` order — upstream's rank-local layout
+    whenever each group spans every tensor, as vLLM's layout makes it.
+    Every distinct tensor is registered with the store once."""
+
+    def __init__(self, kv_caches: dict[str, Any], num_blocks: int,
+                 groups: list[list[str]]) -> None:
+        self.bases: list[list[int]] = []
+        self.lengths: list[list[int]] = []
+        self._regions: dict[int, int] = {}  # distinct tensor address -> bytes
+        self.tensors: list[Any] = []  # the distinct tensors, every group's
+        for g, layers in enumerate(groups):
+            missing = [name for name in layers if name not in kv_caches]
+            if missing:
+                raise ValueError(f"register_kv_caches: no KV tensor for layers {missing} of "
+                                 f"KV-cache group {g}")
+            mine = set(layers)
+            bases: list[int] = []
+            lengths: list[int] = []
+            for name, tensor in kv_caches.items():
+                if name not in mine:
+                    continue
+                base, length = self._region(name, tensor, num_blocks)
+                if base not in bases:
+                    bases.append(base)
+                    lengths.append(length)
+            self.bases.append(bases)
+            self.lengths.append(lengths)
+
+    def _region(self, name: str, tensor: Any, num_blocks: int) -> tuple[int, int]:
+        if not hasattr(tensor, "data_ptr"):
+            raise ValueError(f"register_kv_caches: layer {name!r} is not a tensor "
+                             f"({type(tensor).__name__}); Mamba state is not supported")
+        if tensor.shape[0] != num_blocks:
+            raise ValueError(
+                f"register_kv_caches: layer {name!r} has shape {tuple(tensor.shape)}; "
+                f"expected blocks first ({num_blocks} blocks on dimension 0)")
+        if not tensor.is_contiguous():
+            raise ValueError(f"register_kv_caches: layer {name!r} is not contiguous")
+        base = tensor.data_ptr()
+        length = tensor.stride(0) * tensor.element_size()
+        size = tensor.numel() * tensor.element_size()
+        if base not in self._regions:
+            self._regions[base] = size
             self.tensors.append(tensor)
-            self.bases.append(tensor.data_ptr())
-            self.lengths.append(tensor.stride(0) * tensor.element_size())
+        elif self._regions[base] != size:
+            raise ValueError(f"register_kv_caches: layer {name!r} views the KV tensor at "
+                             f"{base:#x} with another size than a layer before it")
+        return base, length
 
     def regions(self) -> list[tuple[int, int]]:
-        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
+        return list(self._regions.items())
 
-    def buffers(self, block: int) -> tuple[list[int], list[int]]:
-        return ([base + block * length for base, length in zip(self.bases, self.lengths)],
-                list(self.lengths))
+    def block_bytes(self, group: int) -> int:
+        return sum(self.lengths[group])
+
+    def buffers(self, group: int, block: int) -> tuple[list[int], list[int]]:
+        lengths = self.lengths[group]
+        return [base + block * length for base, length in zip(self.bases[group], lengths)], \
+            list(lengths)
 
 
 class WorkerSide:
@@ -150,6 +195,10 @@ class WorkerSide:
         self.reports: list[tuple[tuple[int, int, int], Report]] = []
         self.load_reports: list[LoadReport] = []
         self.load_errors: set[int] = set()
+        # With several KV-cache groups vLLM takes a failed load per request
+        # (block ids are only unique within a group): `take_failed_loads`.
+        self.per_request_failures = len(config.groups) > 1
+        self.failed_loads: set[str] = set()
         self.counters = RankCounters()
         self.totals: dict[str, int] = {}  # counters summed over every take_counters()
         self.layout: KVLayout | None = None
@@ -179,8 +228,11 @@ class WorkerSide:
     # ------------------------------------------------------------------
     # Set-up and teardown.
 
-    def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
-        self.layout = KVLayout(kv_caches, num_blocks)
+    def register(self, kv_caches: dict[str, Any], num_blocks: int,
+                 groups: list[list[str]] | None = None) -> None:
+        """``groups``: each KV-cache group's layer names (default: one group
+        of every layer)."""
+        self.layout = KVLayout(kv_caches, num_blocks, groups or [list(kv_caches)])
         for ptr, size in self.layout.regions():
             self.store.register(ptr, size)
             self._registered.append(ptr)
@@ -221,12 +273,7 @@ class WorkerSide:
 
     def _read(self, call: Any) -> tuple[tuple[int, ...], LoadReport, int, int]:
         """One load's store reads into its blocks (outside the lock)."""
-        layout = self.layout
-        ptrs, sizes = [], []
-        for block in call.block_ids:
-            p, s = layout.buffers(block) if layout is not None else ([], [])
-            ptrs.append(p)
-            sizes.append(s)
+        ptrs, sizes = self._buffers(call)
         try:
             got = self.store.get(list(call.keys), ptrs, sizes) if call.keys else []
         except Exception as exc:  # noqa: BLE001 - a failed read is a load error
@@ -270,7 +317,11 @@ class WorkerSide:
             self._observe(LoadDone(self.rank, call.req_id, call.generation, failed,
                                    report.failed_block_ids), step)
         self.load_reports.append(report)
-        self.load_errors.update(report.failed_block_ids)
+        if self.per_request_failures:
+            if report.failed_block_ids:
+                self.failed_loads.add(call.req_id)
+        else:
+            self.load_errors.update(report.failed_block_ids)
 
     # Asynchronous loads.
 
@@ -343,6 +394,14 @@ class WorkerSide:
         with self.lock:
             errors, self.load_errors = self.load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load failed, told once: with several groups, after
+        `take_landed_loads` named them in the same pass (vLLM then drops
+        what they loaded and computes them afresh)."""
+        with self.lock:
+            failed, self.failed_loads = self.failed_loads, set()
+        return failed
 
     def take_output(self) -> tuple[list[tuple[tuple[int, int, int], Report]], list[LoadReport],
                                    list[RankObservation]]:
@@ -438,18 +497,23 @@ class WorkerSide:
         if isinstance(call, ExistsCall):
             answers = list(self.store.exists(call.keys))
         else:
-            layout = self.layout
-            if layout is None:
+            if self.layout is None:
                 raise RuntimeError("put before register_kv_caches")
-            ptrs, sizes = [], []
-            for block in call.block_ids:
-                p, s = layout.buffers(block)
-                ptrs.append(p)
-                sizes.append(s)
+            ptrs, sizes = self._buffers(call)
             answers = list(self.store.put(list(call.keys), ptrs, sizes))
         if len(answers) != len(call.keys):
             raise RuntimeError(f"the store gave {len(answers)} answers for {len(call.keys)} keys")
         return answers
+
+    def _buffers(self, call: Any) -> tuple[list[list[int]], list[list[int]]]:
+        """Each key's buffers: its block in its group's tensors."""
+        layout = self.layout
+        ptrs, sizes = [], []
+        for group, block in zip(call.groups, call.block_ids):
+            p, s = layout.buffers(group, block) if layout is not None else ([], [])
+            ptrs.append(p)
+            sizes.append(s)
+        return ptrs, sizes
 
     def _answered(self, job: RankJob, call: ExistsCall | PutCall, answer: list[Any]
                   ) -> ExistsCall | PutCall | Report | None:
@@ -462,12 +526,12 @@ class WorkerSide:
             if self.record:
                 self._observe(ExistsAnswered(self.rank, meta.job_id, call.keys, tuple(answer)))
             return self.executor.exists_answered(job, answer)
-        block_bytes = sum(self.layout.lengths) if self.layout is not None else 0
+        layout = self.layout
         for key, group, cid, block, code in zip(call.keys, call.groups, call.chunk_ids,
                                                call.block_ids, answer):
             if code == 0:
                 counters.keys_put += 1
-                counters.bytes_put += block_bytes
+                counters.bytes_put += layout.block_bytes(group) if layout is not None else 0
             else:
                 counters.put_failures += 1
                 counters.pressure_rejections += code == -200
