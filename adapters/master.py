@@ -92,9 +92,8 @@ class Master:
                 if attempt == START_TRIES - 1:
                     raise
 
-    def _start(self, binary: str) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
+    def _start(self, binary: str, ports: tuple[int, int] | None = None) -> None:
+        self.port, self.metrics_port = ports or (free_port(), free_port())
         env = dict(os.environ, MC_LOG_LEVEL="ERROR")
         with tempfile.TemporaryFile() as stderr:
             self.process = subprocess.Popen(
@@ -135,3 +134,21 @@ class Master:
 
     def stop(self) -> None:
         stop_process(self.process)
+
+    def restart(self) -> None:
+        """Kill this master (SIGKILL: a crash, stopped or not) and start a
+        fresh one on the same ports: its metadata starts empty, so every
+        object is gone and clients must mount their segments again. Someone
+        may take a port in between; a few tries, then `MasterError`."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        binary = master_binary()
+        for attempt in range(START_TRIES):
+            try:
+                self._start(binary, (self.port, self.metrics_port))
+                return
+            except MasterError:
+                if attempt == START_TRIES - 1:
+                    raise
+                time.sleep(0.5)  # a port in TIME_WAIT or briefly taken

@@ -582,7 +582,7 @@ def test_a_get_that_outlives_its_timeout_keeps_its_blocks_until_it_returns(engin
             return self.real.batch_get_into_multi_buffers(keys, ptrs, sizes)
 
     worker.store.timeout = 0.2
-    worker.store._store = HangingGets(worker.store._store)
+    worker.store._client.binding = HangingGets(worker.store._client.binding)
     second.add("b", shared + [4, 5], max_tokens=3)
     second.step()
     (table,) = second.scheduler.kv_cache_manager.get_block_ids("b")

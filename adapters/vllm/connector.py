@@ -113,7 +113,8 @@ class KvstateConnectorStats(KVConnectorStats):
     jobs in flight, send-queue depth, ledger entries) are the latest values,
     summed over ranks as well (a total across the engine)."""
 
-    GAUGES = ("pins_held", "jobs_in_flight", "send_queue_depth", "ledger_entries")
+    GAUGES = ("pins_held", "jobs_in_flight", "send_queue_depth", "ledger_entries",
+              "store_recovering")
 
     def reset(self) -> None:
         self.data = {}

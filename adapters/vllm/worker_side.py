@@ -201,6 +201,7 @@ class WorkerSide:
         self.failed_loads: set[str] = set()
         self.counters = RankCounters()
         self.totals: dict[str, int] = {}  # counters summed over every take_counters()
+        self._store_seen: dict[str, int] = {}  # the store's counters at the last read
         self.layout: KVLayout | None = None
         self.in_flight: RankJob | None = None
         self._work = threading.Event()
@@ -280,7 +281,11 @@ class WorkerSide:
             logger.warning("kvstate rank %d: load of %s failed: %s", self.rank,
                            call.req_id, exc)
             got = [-1] * len(call.keys)
-            if isinstance(exc, TimeoutError) and self.load_async:
+            # A call refused while the store recovers ran nothing: only one
+            # that was running when its bound passed may still write.
+            wait = getattr(self.store, "wait_for_straggler", None)
+            if isinstance(exc, TimeoutError) and self.load_async and not (
+                    wait is not None and wait(0)):
                 self._outwait(call)
         ok = [g == sum(s) for g, s in zip(got, sizes)]
         report = self.executor.load_answered(call, ok)
@@ -295,8 +300,9 @@ class WorkerSide:
         top. So the receive thread waits for the call to return: the request
         stays parked and its blocks held (vLLM frees nothing of a parked or
         loading request), possibly for good if the call never returns — a
-        lost request, never corrupt KV. The engine serves on; the store is
-        marked broken and every later call fails at once."""
+        lost request, never corrupt KV. The engine serves on; calls fail at
+        once until the store has set up a fresh client, which it does once
+        the stuck call returned (`adapters.mooncake.MooncakeStore`)."""
         wait = getattr(self.store, "wait_for_straggler", None)
         if wait is None:
             return
@@ -419,6 +425,18 @@ class WorkerSide:
             self.counters = RankCounters()
             data["send_queue_depth"] = len(self.executor.queue) + (self.in_flight is not None)
             data["ledger_entries"] = len(self.executor.ledger)
+        # The store's recovery: episodes (a call outlived its bound), attempts
+        # and recoveries since the last read (vLLM's stats are per
+        # interval; the store counts from its start), and whether it is
+        # recovering now (a gauge: summed over ranks, the ranks recovering).
+        stats = getattr(self.store, "stats", None)
+        if stats is not None:
+            now = stats()
+            for name in ("store_episodes", "store_recovery_attempts", "store_recoveries"):
+                data[name] = now[name] - self._store_seen.get(name, 0)
+                self.totals[name] = self.totals.get(name, 0) + data[name]
+            data["store_recovering"] = now["store_recovering"]
+            self._store_seen = now
         return data
 
     # ------------------------------------------------------------------
