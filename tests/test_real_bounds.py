@@ -44,3 +44,52 @@ def test_the_master_binary_is_found_beside_python_when_not_on_path(monkeypatch) 
         pytest.skip("no mooncake_master beside this Python (the mooncake extra is elsewhere)")
     monkeypatch.setenv("PATH", "/nonexistent")
     assert master_binary() == beside
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\n\r\nnot a master\n"],
+                         ids=["never-answers", "something-else-answers"])
+def test_real_against_an_address_that_is_not_a_master_fails_in_time_naming_it(
+        answer: bytes) -> None:
+    """An outside review: ``kvstate real --master 127.0.0.1:P`` where a
+    socket accepts and never answers hung past ``--timeout 3`` (Mooncake's
+    setup retries while holding Python's GIL, so no timer could fire). The
+    store now probes the master in a child process: exit 2 within the setup
+    timeout (here max(10, 3 x 3) s), the address named, no traceback."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    pytest.importorskip("mooncake.store")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)  # kept open: the client waits on it
+            if answer:
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "sim.cli", "real", "--master",
+                               f"127.0.0.1:{port}", "--timeout", "3", "--requests", "2"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    took = time.monotonic() - started
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert f"127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
+    assert took < 60, took  # the setup bound is 10 s; interpreter start and imports aside
