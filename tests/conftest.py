@@ -45,7 +45,8 @@ json_values = _json_values()
 WHOLLY_SLOW_MODULES = frozenset({"test_cluster.py", "test_conformance.py", "test_engine.py",
                                  "test_hybrid_connector.py",
                                  "test_load_conformance.py", "test_mooncake.py",
-                                 "test_observer.py", "test_vllm_connector.py"})
+                                 "test_observer.py", "test_store_chaos.py",
+                                 "test_vllm_connector.py"})
 
 
 def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:

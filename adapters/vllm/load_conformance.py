@@ -320,23 +320,6 @@ def _extra(side: str, prefix: str, scenario: Scenario) -> dict[str, Any]:
     return extra
 
 
-def _corrupt(rig: Any) -> list[str]:
-    """Every computed block (of a running request) whose bytes on some rank
-    are not the KV of its prefix."""
-    bad = []
-    bs = rig.block_size
-    for request in rig.scheduler.running:
-        req_id = request.request_id
-        (table,) = rig.scheduler.kv_cache_manager.get_block_ids(req_id)
-        tokens = list(request.all_token_ids)
-        for i in range(min(request.num_computed_tokens // bs, len(table))):
-            for rank in range(len(rig.caches)):
-                if not rig.block_holds(rank, table[i], tokens, i * bs):
-                    bad.append(f"{req_id}#{i}")
-                    break
-    return bad
-
-
 def _escaped(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     where = next((f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
@@ -418,7 +401,7 @@ def run_scenario(scenario: Scenario, side: str, model_dir: str) -> dict[str, Any
                     "finished": reader.finished[finished_before:],
                     "computed": {r: q.num_computed_tokens
                                  for r, q in sorted(reader.scheduler.requests.items())},
-                    "corrupt": _corrupt(reader),
+                    "corrupt": reader.corrupt_blocks(),
                 })
                 if stuck:
                     record["stuck"] = f"step {step}: {stuck[0]}"

@@ -313,6 +313,23 @@ class Rig:
                     return False
         return True
 
+    def corrupt_blocks(self) -> list[str]:
+        """Every computed block of a running request (``REQUEST#BLOCK``) whose
+        bytes on some rank are not the KV of its prefix: what a load of
+        wrong bytes leaves behind (full-attention group)."""
+        bad = []
+        bs = self.block_size
+        for request in self.scheduler.running:
+            req_id = request.request_id
+            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            tokens = list(request.all_token_ids)
+            for i in range(min(request.num_computed_tokens // bs, len(table))):
+                for rank in range(len(self.caches)):
+                    if not self.block_holds(rank, table[i], tokens, i * bs):
+                        bad.append(f"{req_id}#{i}")
+                        break
+        return bad
+
     def _forward(self, req_id: str, start: int, count: int) -> None:
         request = self.requests[req_id]
         tokens = list(request.all_token_ids)
