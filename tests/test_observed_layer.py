@@ -319,10 +319,13 @@ def test_replay_of_an_observed_only_trace_compares_the_derived_generations(
 # Every variant, cut to the observed layer.
 
 SMALL = SimOptions(requests=60)
-# What only annotations can show: K1 compares content tags, K2's rank-side
-# check reads which generation wrote the rank state a job read. Each variant
-# whose bug shows there also shows it in the observed layer (asserted below).
-NEEDS_ANNOTATIONS = {"K1", "K2"}
+# What only annotations can show (specs/trace.md, "What each invariant
+# needs"): K1 compares content tags, K2's and S3's rank-side checks read which
+# generation wrote the rank state, S18 and K3 read the settlement's released
+# jobs and the claims of quiescence, K6 the rank's clock, S4/S12 in part.
+# Each variant whose bug shows there also shows it in the observed layer
+# (asserted below).
+NEEDS_ANNOTATIONS = {"K1", "K2", "K3", "K6", "S3", "S4", "S12", "S18"}
 
 
 @pytest.mark.slow
