@@ -168,7 +168,7 @@ def settle(rig: Any, timeout: float = 30.0) -> None:
 
 
 def run_steps(rig: Any, arrivals: dict[int, list[tuple[str, list[int], int]]],
-              max_steps: int = 400, before_step: Callable[[int], None] | None = None) -> None:
+              max_steps: int = 4000, before_step: Callable[[int], None] | None = None) -> None:
     rig.settle = lambda worker: settle(rig)
     last = max(arrivals) if arrivals else 0
     for step in range(max_steps):
