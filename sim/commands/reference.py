@@ -30,7 +30,7 @@ _HEADER = """\
      tests/test_docs.py fails when this page and the parser differ. -->
 
 Every `kvstate` command and option, as the parser defines them. What the commands do,
-with examples, is on the [command guide](../guides/commands.md).
+with examples, is on [What the commands do](command-guide.md).
 
 Exit codes, for every command: **0** ok, **1** an invariant was violated (or, for
 `kvstate real`, a block read back differs), **2** a usage or input error (with `--json`,
