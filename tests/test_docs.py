@@ -1,23 +1,47 @@
 """The docs hold: their example trace checks clean, their paths exist, their
-commands parse."""
+commands parse, the command reference is the parser's, and the site builds
+with ``mkdocs build --strict``."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from sim.cli import build_parser, main
+from sim.commands.reference import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+README = ROOT / "README.md"
+# Every page a reader sees: the site's pages and the README.
+PAGES = [README, *DOCS]
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
 
 
 def test_there_are_docs() -> None:
-    assert {p.name for p in DOCS} >= {"background.md", "invariants.md",
-                                      "testing-your-connector.md"}
+    names = {_name(p) for p in DOCS}
+    assert names >= {"docs/background.md", "docs/invariants.md",
+                     "docs/testing-your-connector.md", "docs/measurements.md",
+                     "docs/index.md", "docs/getting-started.md",
+                     "docs/reference/commands.md", "docs/tutorials/find-the-bug.md",
+                     "docs/tutorials/record-an-engine.md",
+                     "docs/tutorials/observe-upstream.md"}
+
+
+def test_the_readme_stays_short() -> None:
+    """Issue 31: the README says what kvstate is, the two commands, a tour,
+    the headline figures and the limits in brief; the rest lives in docs/."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines (at most 150)"
 
 
 def test_the_example_trace_in_the_guide_checks_clean(tmp_path: Path, capsys) -> None:
@@ -32,20 +56,81 @@ def test_the_example_trace_in_the_guide_checks_clean(tmp_path: Path, capsys) -> 
     assert main(["check", str(path), "--liveness-steps", "1"]) == 1
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", PAGES, ids=_name)
 def test_every_repository_path_a_doc_names_exists(doc: Path) -> None:
     for path in re.findall(r"`((?:kvstate|sim|adapters|specs|docs|tests)/[\w./-]+)`",
                            doc.read_text()):
-        assert (ROOT / path).exists(), f"{doc.name} names {path}, which does not exist"
+        assert (ROOT / path).exists(), f"{_name(doc)} names {path}, which does not exist"
+
+
+def test_every_file_the_readme_links_to_exists() -> None:
+    """The README is read on its own (not built by MkDocs): its relative
+    links must reach files of the repository."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10
+    for link in local:
+        assert (ROOT / link).is_file(), f"README.md links to {link}, which does not exist"
+
+
+def _commands() -> list[tuple[str, str]]:
+    return [(_name(doc), line) for doc in PAGES
+            for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)
+            for line in re.findall(r"^kvstate ([^#\n]+)", block, re.M)]
 
 
 def test_every_kvstate_command_the_docs_show_parses() -> None:
     parser = build_parser()
-    commands = [line for doc in DOCS
-                for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)
-                for line in re.findall(r"^kvstate ([^#\n]+)", block, re.M)]
-    assert len(commands) >= 5
-    for line in commands:
+    commands = _commands()
+    assert len(commands) >= 40
+    pages = {page for page, _ in commands}
+    assert {"README.md", "docs/tutorials/find-the-bug.md",
+            "docs/how-to/checkpoints.md"} <= pages  # pages in subfolders are read too
+    for page, line in commands:
         # "mine" stands for the reader's own variant.
         argv = ["kvstate" if arg == "mine" else arg for arg in shlex.split(line)]
-        parser.parse_args(argv)  # exits 2 on an unknown command or option
+        try:
+            parser.parse_args(argv)  # exits 2 on an unknown command or option
+        except SystemExit as exc:
+            pytest.fail(f"{page}: `kvstate {line.strip()}` does not parse (exit {exc.code})")
+
+
+def test_the_command_reference_is_the_parsers() -> None:
+    """docs/reference/commands.md is what `sim.commands.reference` writes
+    from the parser now: an option added, renamed or documented otherwise
+    fails here until the page is written again."""
+    committed = (ROOT / "docs" / "reference" / "commands.md").read_text()
+    assert committed == markdown(), (
+        "docs/reference/commands.md is stale: run "
+        "python -m sim.commands.reference > docs/reference/commands.md")
+
+
+def test_the_command_reference_names_every_command_and_option() -> None:
+    page = markdown()
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    for name, child in sub.choices.items():
+        assert f"## `kvstate {name}`" in page
+        for action in child._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert f"`{option}" in page or f", {option}" in page, (name, option)
+
+
+def test_the_reference_entry_point_prints_the_page() -> None:
+    done = subprocess.run([sys.executable, "-m", "sim.commands.reference"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == markdown()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
+                    reason="mkdocs is not installed (pip install -e '.[docs]'; CI installs it)")
+def test_the_site_builds_strict(tmp_path: Path) -> None:
+    """Every page in the nav, every link and anchor resolved, every included
+    specs/ file present, every API docstring rendered: any warning fails."""
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                           "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "commands" / "index.html").is_file()
