@@ -32,10 +32,11 @@ _HEADER = """\
 Every `kvstate` command and option, as the parser defines them. What the commands do,
 with examples, is on [What the commands do](command-guide.md).
 
-Exit codes, for every command: **0** ok, **1** an invariant was violated (or, for
-`kvstate real`, a block read back differs), **2** a usage or input error (with `--json`,
-one object with `ok` false and `error`), **130** interrupted (Ctrl-C), **141** the reader
-of the output went away (`| head`), **143** terminated (SIGTERM).
+Exit codes, for every command: **0** ok; **1** the check failed (an invariant was
+violated, a replay diverged, a block `kvstate real` read back differs, a generated spec
+is stale, a search `--require-exhaustive` did not finish); **2** a usage or input error
+(with `--json`, one object with `ok` false and `error`); **130** interrupted (Ctrl-C);
+**141** the reader of the output went away (`| head`); **143** terminated (SIGTERM).
 """
 
 
