@@ -425,6 +425,41 @@ def test_the_master_killed_mid_run_leaves_outputs_unchanged_and_nothing_pinned(
     assert_trace_checks_and_replays(killed["trace"])
 
 
+def test_master_restarts_and_a_stall_under_a_computing_engine_cost_hits_never_outputs(
+        tmp_path, model) -> None:
+    """Three master restarts (every object gone, the store process and the
+    engine's clients mount again) in the middle of waves, then a 3 s SIGSTOP
+    (`adapters.vllm.engine_chaos`): every output equals the engine's without
+    a connector, nothing is pinned or in flight after the drain, saving
+    resumes on its own after each fault, a restart loses the stored prefix
+    (the next wave is offered nothing from the store) and the wave after
+    that finds it again, the stall is one recovery episode, recovered."""
+    from adapters.vllm import engine_chaos
+
+    deployment = start_deployment(tmp_path, model)
+    try:
+        figures = engine_chaos.run(deployment, tmp_path)
+    finally:
+        deployment.close()
+    assert figures["controller_errors"] == []
+    assert figures["outputs_mismatched"] == [] and figures["requests"] == 36
+    assert figures["pins_left"] == 0 and figures["jobs_left"] == 0
+    assert not figures["pending_save_work"] and figures["violations"] == []
+    actions = [f["action"] for f in figures["faults"]]
+    assert actions == ["restart"] * engine_chaos.RESTARTS + ["stall"]
+    for fault in figures["faults"]:
+        assert fault["steps_to_first_put"] is not None, fault  # saving came back
+    # Wave 0 fills the store; each restart (waves 1, 3, 5) loses the prefix:
+    # the wave after it is offered nothing, the one after that finds it.
+    by_wave = figures["store_tokens_by_wave"]
+    full = len(engine_chaos.SHARED)  # one request loads it, the others share its blocks
+    assert by_wave[1] >= full and by_wave[3] >= full and by_wave[5] >= full, by_wave
+    assert by_wave[2] == by_wave[4] == by_wave[6] == 0, by_wave
+    assert by_wave[7] >= full, by_wave
+    assert figures["store_episodes"] >= 1 and figures["store_recoveries"] >= 1
+    assert_trace_checks_and_replays(figures["trace"])
+
+
 def test_an_engine_killed_mid_run_leaves_a_trace_of_every_step_it_ended(
         tmp_path, model) -> None:
     """The engine's process SIGKILLs itself after its 12th step: the trace

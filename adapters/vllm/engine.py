@@ -34,6 +34,13 @@ serve`` runs) only the outputs and the trace come back.
 engine has run ``kill_after_steps`` steps of that wave: the store dies under
 a running engine, not between two. ``die_after_steps`` makes the engine's
 own process SIGKILL itself: a crash, and the trace it leaves.
+
+``store_faults`` in a wave are done to the store by whoever runs the master
+(`StoreFault`), at an exact step of the engine, however fast it computes:
+the engine asks through files in ``control_dir`` and waits until the action
+is done (`adapters.vllm.engine_chaos.FaultController` answers). Each fault's
+figures come back: the step it happened at, and the steps and seconds until
+a key was next put successfully (the worker's ``keys_put``).
 """
 
 from __future__ import annotations
@@ -131,6 +138,30 @@ class EngineRequest:
     follows: str | None = None  # added the step after this request id finishes
 
 
+# What a `StoreFault` may ask for. ``restart``: SIGKILL the master and start
+# a fresh one on its ports (all objects gone, clients mount again); ``stall``:
+# SIGSTOP the master now and SIGCONT it ``seconds`` later (the engine goes on
+# meanwhile).
+FAULT_ACTIONS = ("restart", "stall")
+
+
+@attrs.frozen
+class StoreFault:
+    """``action`` done to the store once the wave has run ``after_steps``
+    steps. The engine waits for the action to be done (a restart: until the
+    new master listens), not for its effects to pass (a stall's ``seconds``
+    run while the engine steps on)."""
+
+    after_steps: int
+    action: str
+    seconds: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.action not in FAULT_ACTIONS:
+            raise ValueError(f"StoreFault.action={self.action!r}: expected one of "
+                             f"{FAULT_ACTIONS}")
+
+
 @attrs.frozen
 class Wave:
     requests: list[EngineRequest]
@@ -139,6 +170,11 @@ class Wave:
     # The engine's own process SIGKILLs itself once this many steps of the
     # wave ended: what a crash leaves behind (the recorder's trace).
     die_after_steps: int | None = None
+    store_faults: list[StoreFault] = attrs.field(factory=list)
+    # Drop vLLM's own prefix cache before the wave: every prefix an earlier
+    # wave computed must then come from the store (or be computed again), so
+    # the wave's external tokens show what the store still holds.
+    reset_prefix_cache: bool = False
 
 
 @attrs.frozen
@@ -174,6 +210,13 @@ class EngineSpec:
     # requests are aborted and named in the wave's ``stalled``.
     max_steps: int = 100_000
     drain_timeout: float = 60.0
+    # Where the engine asks for its waves' store faults (`StoreFault`).
+    control_dir: str | None = None
+    fault_timeout: float = 120.0
+    # Seconds slept after every engine step: a forward pass as slow as a real
+    # model's (tens of ms), so that seconds of store trouble span tens of
+    # steps, as they would in production, not thousands of 2 ms steps.
+    step_pause_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         if self.connector not in CONNECTORS:
@@ -186,7 +229,9 @@ class EngineSpec:
     @classmethod
     def from_json(cls, text: str) -> EngineSpec:
         data = json.loads(text)
-        data["waves"] = [Wave(requests=[EngineRequest(**r) for r in w.pop("requests")], **w)
+        data["waves"] = [Wave(requests=[EngineRequest(**r) for r in w.pop("requests")],
+                              store_faults=[StoreFault(**f) for f in w.pop("store_faults", [])],
+                              **w)
                          for w in data["waves"]]
         return cls(**data)
 
@@ -362,10 +407,13 @@ def run(spec: EngineSpec) -> dict[str, Any]:
                               "waves": []}
     external = _count_external_tokens(llm) if not spec.multiprocess else None
     timed = _time_connector(llm) if spec.time_connector and not spec.multiprocess else None
+    faults = _Faults(spec)
     for wave in spec.waves:
         before = dict(timed or {})
+        if wave.reset_prefix_cache:
+            _reset_prefix_cache(llm, spec.drain_timeout, faults)
         result["waves"].append(_run_wave(engine, wave, SamplingParams, TokensPrompt,
-                                         spec.max_steps))
+                                         spec.max_steps, faults, spec.step_pause_s))
         if timed is not None:
             # This wave's share only: construction (registering the KV
             # buffers with the store) and other waves are not in its wall time.
@@ -373,16 +421,89 @@ def run(spec: EngineSpec) -> dict[str, Any]:
                 k: v - before.get(k, 0.0) for k, v in timed.items() if v > before.get(k, 0.0)}
     if external is not None:
         result["external_tokens"] = external
+    if faults.done:
+        result["store_faults"] = faults.done
     if spec.fail_store_gets:
         result["store_gets"] = dict(STORE_GETS)
     if not spec.multiprocess:
-        result.update(_drain(llm, spec))
+        result.update(_drain(llm, spec, faults))
     engine.engine_core.shutdown()
     return result
 
 
+def _reset_prefix_cache(llm: Any, timeout: float, faults: _Faults) -> None:
+    """Empty vLLM's own prefix cache (every block freed and unhashed). vLLM
+    refuses while blocks are in use, and a connector still saving finished
+    requests holds theirs: the engine steps until it lets them go."""
+    deadline = time.monotonic() + timeout
+    while not llm.llm_engine.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise EngineFailed(f"vLLM refused to reset its prefix cache for {timeout:g} s "
+                               "(blocks still in use)")
+        llm.llm_engine.step()
+        faults.stepped()
+        time.sleep(0.005)
+
+
+class _Faults:
+    """Asks for the waves' `StoreFault` s and follows each to the first key put
+    after it (the worker's ``keys_put``; single-process mode only)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.control = Path(spec.control_dir) if spec.control_dir is not None else None
+        self.timeout = spec.fault_timeout
+        self.step = 0  # engine steps over all waves
+        self.done: list[dict[str, Any]] = []
+        self._open: list[tuple[dict[str, Any], int, float]] = []  # no put since yet
+
+    def ask(self, fault: StoreFault) -> None:
+        if self.control is None:
+            raise EngineFailed("a wave has store_faults but the spec has no control_dir")
+        n = len(self.done)
+        request, answer = self.control / f"fault-{n}.json", self.control / f"fault-{n}.done"
+        tmp = request.with_suffix(".tmp")
+        tmp.write_text(json.dumps(attrs.asdict(fault)))
+        tmp.replace(request)
+        deadline = time.monotonic() + self.timeout
+        while not answer.exists():
+            if time.monotonic() > deadline:
+                raise EngineFailed(f"store fault {n} ({fault.action}) not done within "
+                                   f"{self.timeout:g} s: nothing answered in {self.control}")
+            time.sleep(0.01)
+        record = {"action": fault.action, "step": self.step,
+                  "answer": answer.read_text().strip(), "steps_to_first_put": None,
+                  "seconds_to_first_put": None}
+        self.done.append(record)
+        self._open.append((record, _keys_put(), time.monotonic()))
+
+    def stepped(self) -> None:
+        self.step += 1
+        if not self._open:
+            return
+        put, now = _keys_put(), time.monotonic()
+        still = []
+        for record, before, at in self._open:
+            if put > before:
+                record["steps_to_first_put"] = self.step - record["step"]
+                record["seconds_to_first_put"] = round(now - at, 3)
+            else:
+                still.append((record, before, at))
+        self._open = still
+
+
+def _keys_put() -> int:
+    """Keys this process's rank has put successfully so far."""
+    connector = _worker_connector()
+    worker = getattr(connector, "worker", None)
+    if worker is None:
+        return 0
+    with worker.lock:
+        return int(worker.totals.get("keys_put", 0) + worker.counters.keys_put)
+
+
 def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
-              max_steps: int = 100_000) -> dict[str, Any]:
+              max_steps: int = 100_000, faults: _Faults | None = None,
+              pause_s: float = 0.0) -> dict[str, Any]:
     def add(request: EngineRequest) -> None:
         params = sampling(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(request.req_id, tokens_prompt(prompt_token_ids=request.prompt),
@@ -407,8 +528,15 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
         if wave.kill is not None and not killed and steps >= wave.kill_after_steps:
             os.kill(wave.kill, signal.SIGKILL)
             killed = True
+        for fault in wave.store_faults:
+            if fault.after_steps == steps and faults is not None:
+                faults.ask(fault)
         outs = engine.step()
         steps += 1
+        if faults is not None:
+            faults.stepped()
+        if pause_s:
+            time.sleep(pause_s)
         now = time.perf_counter()
         for out in outs:
             tokens = list(out.outputs[0].token_ids)
@@ -423,6 +551,10 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
                     first_token_s.pop(follower.req_id, None)
         if steps >= max_steps:
             break
+    missed = [f for f in wave.store_faults if f.after_steps >= steps]
+    if missed and faults is not None:
+        raise EngineFailed(f"the wave ended after {steps} steps, before its store faults "
+                           f"{[attrs.asdict(f) for f in missed]}: make it longer")
     stalled = sorted(r.req_id for r in wave.requests if r.req_id not in outputs)
     wall_s = time.perf_counter() - started
     if stalled:
@@ -435,7 +567,7 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
             "first_token_s": first_token_s, "killed": killed, "stalled": stalled}
 
 
-def _drain(llm: Any, spec: EngineSpec) -> dict[str, Any]:
+def _drain(llm: Any, spec: EngineSpec, faults: _Faults | None = None) -> dict[str, Any]:
     """Step until the connector has no save work left; then what it holds."""
     core = _core(llm)
     scheduler = core.scheduler
@@ -445,6 +577,8 @@ def _drain(llm: Any, spec: EngineSpec) -> dict[str, Any]:
     while scheduler.has_requests() and time.monotonic() < deadline:
         llm.llm_engine.step()
         drain_steps += 1
+        if faults is not None:
+            faults.stepped()
         time.sleep(0.005)
     out: dict[str, Any] = {"drain_steps": drain_steps,
                            "pending_save_work": bool(scheduler.has_requests()),
