@@ -96,6 +96,44 @@ def tiny_llama_dir(path: str | Path, seed: int = 0, *, layers: int = 2,
     return str(path)
 
 
+# The hybrid model's sliding window: two of `BLOCK_SIZE`'s blocks, so a
+# prompt of a few blocks already has blocks out of the window.
+HYBRID_WINDOW = 64
+
+
+def tiny_hybrid_dir(path: str | Path, seed: int = 0, *, window: int = HYBRID_WINDOW) -> str:
+    """A tiny Gemma-3 text model with random weights: layer 0 attends over a
+    sliding window of ``window`` tokens, layer 1 over everything, so vLLM's
+    hybrid KV-cache manager keeps two KV-cache groups (a sliding-window group
+    and a full-attention group; it does only with a connector that declares
+    ``SupportsHMA``). Otherwise `MODEL_SHAPE`'s sizes: head size 32 (CPU
+    attention's minimum), 2 KV heads."""
+    path = Path(path)
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return str(path)
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        **MODEL_SHAPE, head_dim=MODEL_SHAPE["hidden_size"] // MODEL_SHAPE["num_attention_heads"],
+        sliding_window=window, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=32, max_position_embeddings=8192, initializer_range=INIT_STD,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        dtype="float32")
+    model = Gemma3ForCausalLM(config)
+    # Gemma multiplies embeddings by sqrt(hidden size) before the first
+    # layer: drawn at INIT_STD they drown what attention adds, and the greedy
+    # token repeats one token whatever the context (seen: 409, 409, ...).
+    # Drawn sqrt(hidden) times smaller they enter the layers as a Llama's
+    # do, and an early token's change changes the output.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(MODEL_SHAPE["hidden_size"] ** -0.5)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
 ENGINE_PYTHON = "KVSTATE_ENGINE_PYTHON"
 
 
@@ -114,14 +152,21 @@ class EngineFailed(RuntimeError):
     """An engine process exited without a result (its last words included)."""
 
 
-def make_model_with(python: str, path: str | Path, **shape: int) -> str:
-    """`tiny_llama_dir` run by ``python`` (the engine's environment has torch
-    and transformers; the calling one need not)."""
+MODEL_MAKERS = ("tiny_llama_dir", "tiny_hybrid_dir")
+
+
+def make_model_with(python: str, path: str | Path, maker: str = "tiny_llama_dir",
+                    **shape: int) -> str:
+    """`tiny_llama_dir` (or another of `MODEL_MAKERS`) run by ``python`` (the
+    engine's environment has torch and transformers; the calling one need
+    not)."""
     import subprocess
 
+    if maker not in MODEL_MAKERS:
+        raise ValueError(f"make_model_with: maker={maker!r}, expected one of {MODEL_MAKERS}")
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys; from adapters.vllm.engine import tiny_llama_dir; "
-            f"tiny_llama_dir(sys.argv[1], **{shape!r})")
+    code = (f"import sys; from adapters.vllm.engine import {maker}; "
+            f"{maker}(sys.argv[1], **{shape!r})")
     done = subprocess.run([python, "-c", code, str(path)], cwd=str(root), capture_output=True,
                           text=True, timeout=300)
     if done.returncode != 0:
