@@ -115,8 +115,9 @@ def tiny_hybrid_dir(path: str | Path, seed: int = 0, *, window: int = HYBRID_WIN
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
+    shape: dict[str, Any] = dict(MODEL_SHAPE)
     config = Gemma3TextConfig(
-        **MODEL_SHAPE, head_dim=MODEL_SHAPE["hidden_size"] // MODEL_SHAPE["num_attention_heads"],
+        **shape, head_dim=MODEL_SHAPE["hidden_size"] // MODEL_SHAPE["num_attention_heads"],
         sliding_window=window, layer_types=["sliding_attention", "full_attention"],
         query_pre_attn_scalar=32, max_position_embeddings=8192, initializer_range=INIT_STD,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
