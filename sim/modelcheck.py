@@ -380,6 +380,14 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
           (ScopeRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9), decode=1),), put_step=2,
           num_blocks=12, token_budget=8, faults=1, evictions=0, preemptions=0, alignment=4,
           groups=(GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 2))),
+    Scope("hybrid-pd", "a decode node (kv_consumer) of the hybrid model (full attention and "
+          "a 2-token sliding window) with MLA-style striding, saving decode-phase KV across a "
+          "preemption; one fault per path",
+          (ScopeRequest("a", (1, 2, 3, 4, 5, 6, 7, 8, 9), decode=4, lookup=False,
+                        transferred=True),),
+          role=Role.CONSUMER, put_step=2, num_blocks=12, token_budget=8, faults=1,
+          evictions=0, preemptions=1, alignment=4,
+          groups=(GroupSpec(), GroupSpec(GroupKind.SLIDING_WINDOW, 2))),
     # The shapes that broke upstream, on two ranks, with decode-phase saves
     # and a -200 (the store out of space) as the one fault of a path. Each is
     # exhaustive within about a minute on two cores (`--workers 2`); all four

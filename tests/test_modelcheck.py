@@ -220,6 +220,18 @@ UPSTREAM_SCOPE_FINDS = {
                "snapshot-from-zero"),
     "pd-decode": (*_TWO_RANK_FINDS, "no-pins-on-preemption", "boundary-without-plus-one",
                   "consumer-saves-prefill"),
+    # P/D with two groups and striding (issue 29): 15 of the 20. Not there,
+    # by shape: a decode node looks nothing up and loads nothing
+    # (save-on-loading-step, lookup-first-namespace, swallow-load-errors); with
+    # put_step 2 each of a chunk's keys is one rank's, so dropping the rank
+    # from keys collides nothing (key-without-rank), and the decode jobs start
+    # on chunks whose relative and absolute positions stride alike
+    # (stride-by-relative-chunk): `mla` and `default` find those two.
+    "hybrid-pd": ("e2", "e1", "e0", "req-id-counter-ledger", "no-pins-on-preemption",
+                  "delayed-free-at-finish", "parent-previous-emitted",
+                  "retry-keyed-by-request", "missing-finally", "boundary-without-plus-one",
+                  "consumer-without-backfill", "consumer-saves-prefill",
+                  "advance-offset-on-failure", "skip-exists-check", "snapshot-from-zero"),
 }
 
 
