@@ -40,7 +40,8 @@ own process SIGKILL itself: a crash, and the trace it leaves.
 the engine asks through files in ``control_dir`` and waits until the action
 is done (`adapters.vllm.engine_chaos.FaultController` answers). Each fault's
 figures come back: the step it happened at, and the steps and seconds until
-a key was next put successfully (the worker's ``keys_put``).
+a key was next put successfully (counted at the Mooncake binding, for
+either connector).
 """
 
 from __future__ import annotations
@@ -429,6 +430,8 @@ def run(spec: EngineSpec) -> dict[str, Any]:
         _settle_saves(spec.drain_timeout)
     if spec.fail_store_gets:
         _fail_store_gets()
+    if any(w.store_faults for w in spec.waves):
+        _count_puts()
     if not spec.multiprocess:
         _count_preemptions()
     import vllm
@@ -493,7 +496,7 @@ def _reset_prefix_cache(llm: Any, timeout: float, faults: _Faults) -> None:
 
 class _Faults:
     """Asks for the waves' `StoreFault` s and follows each to the first key put
-    after it (the worker's ``keys_put``; single-process mode only)."""
+    after it (`_count_puts`; single-process mode only)."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.control = Path(spec.control_dir) if spec.control_dir is not None else None
@@ -507,7 +510,7 @@ class _Faults:
             raise EngineFailed("a wave has store_faults but the spec has no control_dir")
         n = len(self.done)
         request, answer = self.control / f"fault-{n}.json", self.control / f"fault-{n}.done"
-        tmp = request.with_suffix(".tmp")
+        tmp = request.with_name(request.name + ".partial")
         tmp.write_text(json.dumps(attrs.asdict(fault)))
         tmp.replace(request)
         deadline = time.monotonic() + self.timeout
@@ -537,14 +540,27 @@ class _Faults:
         self._open = still
 
 
+KEYS_PUT = [0]
+
+
+def _count_puts() -> None:
+    """Count the keys any connector of this process puts successfully (a
+    non-negative answer), at the Mooncake binding both connectors call."""
+    from mooncake.store import MooncakeDistributedStore
+
+    real = MooncakeDistributedStore.batch_put_from_multi_buffers
+
+    def batch_put_from_multi_buffers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        answers = real(self, *args, **kwargs)
+        KEYS_PUT[0] += sum(1 for a in answers if a >= 0)
+        return answers
+
+    MooncakeDistributedStore.batch_put_from_multi_buffers = batch_put_from_multi_buffers
+
+
 def _keys_put() -> int:
-    """Keys this process's rank has put successfully so far."""
-    connector = _worker_connector()
-    worker = getattr(connector, "worker", None)
-    if worker is None:
-        return 0
-    with worker.lock:
-        return int(worker.totals.get("keys_put", 0) + worker.counters.keys_put)
+    """Keys this process has put successfully so far."""
+    return KEYS_PUT[0]
 
 
 def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,

@@ -116,7 +116,11 @@ class FaultController:
             except Exception as error:  # noqa: BLE001 - the engine must hear of it
                 answer = f"failed: {error!r}"
                 self.errors.append(f"fault {n} ({fault.action}): {error!r}")
-            (self.control / f"fault-{n}.done").write_text(answer)
+            # Whole or not at all: the engine reads the answer once the file exists.
+            done = self.control / f"fault-{n}.done"
+            partial = done.with_name(done.name + ".partial")
+            partial.write_text(answer)
+            partial.replace(done)
             n += 1
 
     def _do(self, fault: StoreFault) -> str:
@@ -141,16 +145,22 @@ class FaultController:
             os.kill(self.master.process.pid, signal.SIGCONT)  # never leave it stopped
 
 
-def run(deployment: Deployment, workdir: str | Path) -> dict[str, Any]:
-    """The reference engine, then the engine under faults; the figures."""
-    control = Path(workdir) / "control"
+def run(deployment: Deployment, workdir: str | Path,
+        connector: str = "kvstate") -> dict[str, Any]:
+    """The reference engine, then the engine under faults with ``connector``
+    (``kvstate``, or upstream's ``mooncake`` for comparison: it has no
+    store timeout and no recovery of its own); the figures."""
+    control = Path(workdir) / f"control-{connector}"
     reference = deployment.run("reference", waves(faults=False), connector=None,
                                step_pause_s=STEP_PAUSE_S, env=FIXED_IDS)
+    extra: dict[str, Any] = {"save_decode_cache": True}
+    if connector == "kvstate":
+        extra["kvstate_store_timeout"] = STORE_TIMEOUT_S
     controller = FaultController(deployment.master, control)
     try:
         chaos = deployment.run(
-            "chaos", waves(faults=True), control_dir=str(control), step_pause_s=STEP_PAUSE_S,
-            env=FIXED_IDS, extra={"save_decode_cache": True, "kvstate_store_timeout": STORE_TIMEOUT_S})
+            f"chaos-{connector}", waves(faults=True), connector=connector,
+            control_dir=str(control), step_pause_s=STEP_PAUSE_S, env=FIXED_IDS, extra=extra)
     finally:
         controller.close()
     mismatched = sorted(
@@ -159,6 +169,7 @@ def run(deployment: Deployment, workdir: str | Path) -> dict[str, Any]:
     external = chaos.get("external_tokens", {})
     totals = chaos.get("worker_totals", {})
     return {
+        "connector": connector,
         "outputs_mismatched": mismatched,
         "requests": sum(len(w["outputs"]) for w in reference["waves"]),
         "controller_errors": controller.errors,
@@ -186,16 +197,20 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--engine-python", default=None,
                         help="the CPU engine's interpreter (default: .venv-engine's)")
+    parser.add_argument("--connector", choices=("kvstate", "mooncake"), default="kvstate",
+                        help="kvstate's connector, or upstream's MooncakeStoreConnector for "
+                        "comparison (default: kvstate)")
     args = parser.parse_args(argv)
     python = args.engine_python or engine_python()
     with tempfile.TemporaryDirectory() as workdir:
         model = make_model_with(python, Path(workdir) / "model")
         with Deployment(workdir, model, python=python) as deployment:
-            figures = run(deployment, workdir)
+            figures = run(deployment, workdir, args.connector)
         from sim.check import check_trace
 
         trace = figures.pop("trace")
-        figures["trace_ok"] = trace is not None and check_trace(trace).ok
+        if trace is not None:
+            figures["trace_ok"] = check_trace(trace).ok
     print(json.dumps(figures, indent=1))
     return 0
 
