@@ -22,6 +22,7 @@ import attrs
 
 from kvstate.contract import observed_layer
 from kvstate.trace import TraceReader, iter_lines, open_trace_file, parse_json
+from kvstate.trace.reader import trace_name
 
 
 @attrs.frozen
@@ -36,7 +37,7 @@ def write_observed(src: str | Path, out: IO[str]) -> Cut:
         for _ in reader:
             pass
     lines_in = lines_out = 0
-    name = str(src)
+    name = trace_name(src)
     with open_trace_file(src) as handle:
         for number, text in iter_lines(handle, name):
             lines_in += 1

@@ -14,8 +14,11 @@ import math
 import os
 import stat
 from collections.abc import Callable, Iterator
+from itertools import chain
 from pathlib import Path
 from typing import IO, Any
+
+import attrs
 
 from kvstate.contract import UNKNOWN
 from kvstate.trace.codec import NO_ABSENT, TraceError, decode_line_absent, read_header
@@ -66,10 +69,22 @@ def iter_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
             yield number, text
 
 
+def trace_name(path: str | Path) -> str:
+    """A trace's path as errors show it: as given, or quoted where it would
+    not read as a name (empty, blank at an end, control characters, bytes
+    that are not UTF-8)."""
+    name = str(path)
+    if name and name == name.strip() and name.isprintable():
+        return name
+    return repr(name)
+
+
 def open_trace_file(path: str | Path) -> IO[bytes]:
     """Open a trace for reading; only a regular file is taken (a FIFO would
     block until some writer appears, a device never ends)."""
-    name = str(path)
+    name = trace_name(path)
+    if not str(path):  # os.stat('') says "No such file", naming nothing
+        raise TraceError(name, "", "an empty path: give a trace file")
     try:
         info = os.stat(path)
     except OSError as exc:
@@ -133,121 +148,249 @@ class _JobIds:
         return i >= 0 and job_id <= hi[i]
 
 
-# What a number in a trace can be (issue 32, class 6): the decoders check
-# types, these check what the protocol allows. Every id and count fits in 62
-# bits (vLLM's block ids, token counts and kvstate's generations are far
-# below); token counts, block ids and chunk ids are never negative; a
-# generation is >= 1, or the observed layer's "left out" (`UNKNOWN`, -1).
+# What a value in a trace can be (issue 32, class 6): the decoders check
+# types, these check what the protocol allows, in every record a trace holds
+# (they were checked in the scheduler's records only, so a rank's
+# ``PutDone.block_id`` of -1 or a ``JobStarted.token_len`` of -4 read as
+# valid). Every id and count fits in 62 bits (vLLM's block ids, token counts
+# and kvstate's generations are far below) and is never negative; a
+# generation is >= 1, or the observed layer's "left out" (`UNKNOWN`, -1), as
+# is a report's confirmed offset; every other integer (token ids, store
+# codes) fits in 64 bits; request ids and store keys are text: no NUL, no
+# lone surrogate. The rule of a field comes from its name and its type in
+# the record (`kvstate.trace.RECORDS`), compiled once per record type.
 _MAX_ID = 1 << 62
-# Field name -> what its value is, for the records the scheduler writes (one
-# or a few per step, so walking them costs little next to the rank lines).
+_INT64 = 1 << 63
+# Field name -> what the integers in it are (a field or a list of them).
 _COUNTS = frozenset({
     "num_computed_tokens", "num_scheduled_tokens", "num_prompt_tokens",
     "num_external_tokens", "token_ids_start", "token_len", "hit_tokens",
-    "block_ids_start", "hashes_start"})
-_BLOCKS = frozenset({"block_ids", "new_block_ids", "pins", "releases",
-                     "failed_block_ids", "reported_block_ids"})
-_STEP_RECORDS = frozenset({"StepScheduled", "Planned", "LookupDone", "Allocated", "LoadDone",
-                           "Settled"})
+    "block_ids_start", "hashes_start", "save_start", "start_token", "end_token",
+    "dropped_events", "pinned_blocks"})
+_IDS = {"block_id": "block id", "block_ids": "block id", "new_block_ids": "block id",
+        "pins": "block id", "releases": "block id", "failed_block_ids": "block id",
+        "reported_block_ids": "block id", "chunk_id": "chunk id", "chunk_ids": "chunk id",
+        "stored": "group or chunk id", "failed": "group or chunk id", "job_id": "job id",
+        "released_jobs": "job id", "step": "step", "block_size": "block size"}
+# (Ranks and groups are checked against the header's world size and group
+# count, `_Validator`, which names both.)
+_GENERATIONS = frozenset({"generation", "state_generation", "retry_generation",
+                          "scope_generation"})
+_TEXT_IDS = frozenset({"req_id", "key", "keys", "preempted", "finished", "published_by"})
+
+# (where, path, field, value) -> None, or a TraceError naming ``path + field``
+# (joined only then: this runs for every field of every line).
+_Rule = Callable[[str, str, str, Any], None]
 
 
-# Fields that hold nested scheduler records (or lists of them) to walk into.
-_NESTED = frozenset({"step", "plan", "settlement", "new", "cached", "resumed", "saves",
-                     "loads", "published"})
-_PLANS: dict[type, tuple[tuple[str, str], ...]] = {}
+def _number(value: int) -> str:
+    return str(value) if -(10 ** 40) < value < 10 ** 40 else f"an integer of " \
+        f"{value.bit_length()} bits"
 
 
-def _plan(kind: type, obj: Any) -> tuple[tuple[str, str], ...]:
-    """(field, rule) for the fields of ``kind`` a rule applies to, once per
-    type: the walk touches nothing else (token lists, hashes, keys)."""
-    fields = getattr(obj, "__struct_fields__", None)  # the fast path's msgspec structs
-    if fields is None:
-        fields = [a.name for a in getattr(kind, "__attrs_attrs__", ())]
-    plan = []
-    for name in fields:
-        if name in _COUNTS:
-            plan.append((name, "count"))
-        elif name in _BLOCKS:
-            plan.append((name, "blocks"))
-        elif name == "generation":
-            plan.append((name, "generation"))
-        elif name == "req_id":
-            plan.append((name, "req_id"))
-        elif name in ("preempted", "finished"):
-            plan.append((name, "req_ids"))
-        elif name in _NESTED:
-            plan.append((name, "nested"))
-    out = _PLANS[kind] = tuple(plan)
-    return out
+def _count(where: str, path: str, field: str, value: Any) -> None:
+    if type(value) is int and not 0 <= value < _MAX_ID:
+        raise TraceError(where, path + field, f"{_number(value)} is no token count or position "
+                         "(expected 0 <= n < 2^62)")
 
 
-def _request_id(where: str, field: str, value: Any) -> None:
+def _generation(where: str, path: str, field: str, value: Any) -> None:
+    if type(value) is int and not (1 <= value < _MAX_ID or value == UNKNOWN):
+        raise TraceError(where, path + field, f"generation {_number(value)} outside [1, 2^62)")
+
+
+def _offset(where: str, path: str, field: str, value: Any) -> None:
+    if type(value) is int and not (0 <= value < _MAX_ID or value == UNKNOWN):
+        raise TraceError(where, path + field, f"offset {_number(value)} outside [0, 2^62)")
+
+
+def _int64(where: str, path: str, field: str, value: Any) -> None:
+    if type(value) is int and not -_INT64 <= value < _INT64:
+        raise TraceError(where, path + field, f"{_number(value)} does not fit in 64 bits")
+
+
+def _ids(what: str, low: int = 0, high: int = _MAX_ID) -> _Rule:
+    """Integers in ``[low, high)``: one, a list of them, or lists of lists
+    (a block table: one list per KV-cache group)."""
+    label = "[0, 2^62)" if (low, high) == (0, _MAX_ID) else "64 bits"
+
+    def rule(where: str, path: str, field: str, value: Any) -> None:
+        if type(value) is int:
+            if not low <= value < high:
+                raise TraceError(where, path + field,
+                                 f"{what} {_number(value)} outside {label}")
+            return
+        if not value or type(value) not in (tuple, list):
+            return
+        try:  # the common case in C: a list's (or a table's) least and greatest
+            flat = value if type(value[0]) is int else list(chain.from_iterable(value))
+            if not flat or low <= min(flat) and max(flat) < high:
+                return
+        except TypeError:
+            pass  # mixed types: the decoders' to name
+        for i, item in enumerate(value):
+            if type(item) is int or isinstance(item, (tuple, list)):
+                rule(where, path, f"{field}[{i}]", item)
+    rule.bounds = (low, high)  # type: ignore[attr-defined]  # `_checker` inlines flat lists
+    return rule
+
+
+def _text(where: str, path: str, field: str, value: Any) -> None:
     if type(value) is not str or value.isascii() and "\x00" not in value:
         return  # the decoders name a wrong type; the common case costs two C calls
     if "\x00" in value:
-        raise TraceError(where, field, f"request id {value!r} holds a NUL character")
+        raise TraceError(where, path + field, f"{_shown(value)} holds a NUL character")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise TraceError(where, field, f"request id {value!r} holds a lone surrogate (not "
-                         "text: JSON's \\ud800-style escapes must come in pairs)") from None
+        raise TraceError(where, path + field, f"{_shown(value)} holds a lone surrogate (not text: "
+                         "JSON's \\ud800-style escapes must come in pairs)") from None
 
 
-def _block_ids(where: str, field: str, value: Any) -> None:
-    """Block ids (a flat list, or one list per KV-cache group) in [0, 2^62)."""
-    if type(value) is int:
-        if not 0 <= value < _MAX_ID:
-            raise TraceError(where, field, f"block id {value} outside [0, 2^62)")
-        return
-    if not value:
-        return
-    if type(value[0]) is int:
-        try:
-            low, high = min(value), max(value)
-        except TypeError:
-            low, high = 0, 0  # mixed types: the decoders' to name
-        if low >= 0 and high < _MAX_ID:
-            return
-    for i, item in enumerate(value):
-        if type(item) is int:
-            if not 0 <= item < _MAX_ID:
-                raise TraceError(where, f"{field}[{i}]", f"block id {item} outside [0, 2^62)")
-        elif isinstance(item, (tuple, list)):
-            _block_ids(where, f"{field}[{i}]", item)
+def _shown(value: str) -> str:
+    return repr(value) if len(value) <= 60 else f"{value[:40]!r}... ({len(value)} characters)"
 
 
-def _check_numbers(where: str, path: str, obj: Any) -> None:
-    """Walk a scheduler-side record and its nested records, checking every
-    field whose name says what it holds (`_COUNTS`, `_BLOCKS`, ``generation``,
-    ``req_id``)."""
-    kind = type(obj)
-    plan = _PLANS.get(kind)
-    if plan is None:
-        plan = _plan(kind, obj)
-    for name, rule in plan:
-        value = getattr(obj, name)
-        if rule == "count":
-            if type(value) is int and not 0 <= value < _MAX_ID:
-                raise TraceError(where, f"{path}{name}", f"{value} is no token count or "
-                                 "position (expected 0 <= n < 2^62)")
-        elif rule == "blocks":
-            _block_ids(where, f"{path}{name}", value)
-        elif rule == "generation":
-            if type(value) is int and not (1 <= value < _MAX_ID or value == UNKNOWN):
-                raise TraceError(where, f"{path}{name}",
-                                 f"generation {value} outside [1, 2^62)")
-        elif rule == "req_id":
-            _request_id(where, f"{path}{name}", value)
-        elif rule == "req_ids":
-            for i, item in enumerate(value or ()):
-                if type(item) is str:
-                    _request_id(where, f"{path}{name}[{i}]", item)
-        elif isinstance(value, (tuple, list)):
-            for i, item in enumerate(value):
-                if not isinstance(item, (int, float, str, bytes)):
-                    _check_numbers(where, f"{path}{name}[{i}].", item)
-        elif value is not None:
-            _check_numbers(where, f"{path}{name}.", value)
+def _texts(where: str, path: str, field: str, value: Any) -> None:
+    for i, item in enumerate(value or ()):
+        if type(item) is str:
+            _text(where, path, f"{field}[{i}]", item)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:  # a GenKey: (req_id, gen)
+            _text(where, path, f"{field}[{i}][0]", item[0])
+            _generation(where, path, f"{field}[{i}][1]", item[1])
+
+
+def _rule(name: str, annotation: Any) -> _Rule | None:
+    """The rule of field ``name`` with type ``annotation`` (``None``: nothing
+    to check: hashes, booleans, free text, enums, times)."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        inner = [a for a in args if a is not type(None)]
+        return _rule(name, inner[0]) if len(inner) == 1 else None
+    if isinstance(annotation, type) and attrs.has(annotation):
+        kind = annotation.__name__
+
+        def nested(where: str, path: str, field: str, value: Any) -> None:
+            check = _checker(kind)
+            if value is not None and check is not None:
+                try:
+                    check(where, "", value)
+                except TraceError as exc:  # the field's path, built only now
+                    raise TraceError(where, f"{path}{field}.{exc.field}", exc.message) from None
+        return nested
+    if origin is tuple and args and args[-1] is Ellipsis:
+        item = args[0]
+        if isinstance(item, type) and attrs.has(item):
+            kind = item.__name__
+
+            def each(where: str, path: str, field: str, value: Any) -> None:
+                check = _checker(kind)
+                if check is None:
+                    return
+                for i, record in enumerate(value):
+                    try:
+                        check(where, "", record)
+                    except TraceError as exc:
+                        raise TraceError(where, f"{path}{field}[{i}].{exc.field}",
+                                         exc.message) from None
+            return each
+    if name in _TEXT_IDS:
+        return _text if annotation is str else _texts
+    flat = annotation
+    while typing.get_origin(flat) is tuple:  # the int inside tuple[tuple[int, ...], ...]
+        inner_args = [a for a in typing.get_args(flat) if a is not Ellipsis]
+        if len(set(inner_args)) != 1:
+            return None  # (str, int) pairs (leftovers): names and counts of state
+        flat = inner_args[0]
+    if flat is not int:
+        return None
+    if name in _GENERATIONS:
+        return _generation
+    if name == "confirmed_offset":
+        return _offset
+    if name in _COUNTS:
+        return _count if annotation is int else _ids("token count or position")
+    if name in _IDS:
+        return _ids(_IDS[name])
+    return _int64 if annotation is int else _ids("integer", -_INT64, _INT64)
+
+
+# (where, path, record) -> None: every rule of one record type.
+_Check = Callable[[str, str, Any], None]
+_CHECKS: dict[str, _Check | None] = {}
+# A scalar rule as a condition on ``o.F`` (the common case, inlined: a
+# rank's line is checked in a handful of comparisons, no call per field).
+_INLINE = {
+    _count: f"0 <= o.F < {_MAX_ID}",
+    _generation: f"(0 < o.F < {_MAX_ID} or o.F == {UNKNOWN})",
+    _offset: f"{UNKNOWN} <= o.F < {_MAX_ID}",
+    _int64: f"{-_INT64} <= o.F < {_INT64}",
+    _text: "(o.F.isascii() and '\\x00' not in o.F)",
+}
+
+
+def _checker(kind: str) -> _Check | None:
+    """The value rules of record type ``kind`` as one function, compiled once
+    (the fast path's structs share the records' names and fields), or
+    ``None`` when it has none. Its scalar fields are one condition, written
+    out and compiled (as attrs and dataclasses write their methods); lists
+    and nested records call their rules. Only when the condition fails are
+    the fields looked at one by one, to name the one that broke it."""
+    try:
+        return _CHECKS[kind]
+    except KeyError:
+        pass
+    from kvstate.trace.codec import OBSERVATIONS, RECORDS
+
+    cls = OBSERVATIONS.get(kind) or RECORDS[kind]
+    rules = [(f.name, f.type, rule) for f in attrs.fields(cls)
+             if (rule := _rule(f.name, f.type)) is not None]
+    if not rules:
+        _CHECKS[kind] = None
+        return None
+    conditions, calls = [], []
+    namespace: dict[str, Any] = {"slow": None}
+    for k, (name, annotation, rule) in enumerate(rules):
+        inline = _INLINE.get(rule)  # type: ignore[arg-type]
+        bounds = getattr(rule, "bounds", None)
+        if inline is not None and annotation in (int, str):
+            conditions.append(inline.replace("F", name))
+        elif inline is not None and annotation == int | None:
+            conditions.append(f"(o.{name} is None or {inline.replace('F', name)})")
+        elif bounds is not None and annotation is int:
+            conditions.append(f"{bounds[0]} <= o.{name} < {bounds[1]}")
+        elif bounds is not None and annotation == tuple[int, ...]:  # a flat list, in C
+            low, high = bounds
+            conditions.append(f"(not o.{name} or {low} <= min(o.{name}) and "
+                              f"max(o.{name}) < {high})")
+        else:
+            namespace[f"r{k}"] = rule
+            calls.append(f"    r{k}(where, path, {name!r}, o.{name})")
+    source = ["def check(where, path, o):"]
+    if conditions:
+        source.append(f"    if not ({' and '.join(conditions)}):")
+        source.append("        slow(where, path, o)")
+    source += calls
+
+    def slow(where: str, path: str, obj: Any) -> None:
+        for name, _, rule in rules:
+            rule(where, path, name, getattr(obj, name))
+    namespace["slow"] = slow
+    exec("\n".join(source), namespace)  # noqa: S102 - source built above from field names
+    check: _Check = namespace["check"]
+    _CHECKS[kind] = check
+    return check
+
+
+def _check_numbers(where: str, path: str, obj: Any, kind: str | None = None) -> None:
+    """Every value of ``obj`` (a record: an observation or one nested in one)
+    against its field's rule."""
+    check = _checker(kind or type(obj).__name__)
+    if check is not None:
+        check(where, path, obj)
 
 
 class _Validator:
@@ -295,20 +438,25 @@ class _Validator:
         try:
             check = self._by_type[kind]
         except KeyError:
-            check = self._by_type[kind] = self.checks.get(kind.__name__)
-            if kind.__name__ in _STEP_RECORDS:
-                check = self._by_type[kind] = self._numbered(check)
+            check = self._by_type[kind] = self._numbered(kind.__name__,
+                                                         self.checks.get(kind.__name__))
         if check is not None:
             check(where, engine, obs)
 
     @staticmethod
-    def _numbered(check: Callable[[str, int, Any], None] | None
-                  ) -> Callable[[str, int, Any], None]:
-        """``check`` (if any) after the number rules of `_check_numbers`."""
+    def _numbered(kind: str, check: Callable[[str, int, Any], None] | None
+                  ) -> Callable[[str, int, Any], None] | None:
+        """``check`` (if any) after the value rules of record type ``kind``
+        (`_checker`)."""
+        rules = _checker(kind)
+        if rules is None:
+            return check
+        if check is None:
+            return lambda where, engine, obs: rules(where, "", obs)
+
         def both(where: str, engine: int, obs: Any) -> None:
-            _check_numbers(where, "", obs)
-            if check is not None:
-                check(where, engine, obs)
+            rules(where, "", obs)
+            check(where, engine, obs)
         return both
 
     def _rank(self, where: str, engine: int, rank: int, field: str = "rank") -> None:
@@ -399,7 +547,7 @@ class TraceReader:
     for readers that only read their fields (the monitors)."""
 
     def __init__(self, path: str | Path, fast: bool = False) -> None:
-        self.name = str(path)
+        self.name = trace_name(path)
         self._handle: IO[bytes] = open_trace_file(path)
         self._lines = iter_raw_lines(self._handle, self.name)
         try:
