@@ -57,6 +57,32 @@ CONFIG_FILE_LIMIT = 1 << 20
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+def shown(value: Any) -> str:
+    """``repr(value)`` for a message, cut where it would not fit a line (a
+    70,000-character string, an integer of 400 digits): the message names
+    the value, it does not copy it. (The connector's options use it too.)"""
+    if isinstance(value, str) and len(value) > 80:
+        return repr(f"{value[:40]}... ({len(value)} characters)")
+    text = repr(value)
+    if len(text) <= 80:
+        return text
+    return f"{text[:40]}... ({len(text)} {'digits' if isinstance(value, int) else 'characters'})"
+
+
+def not_text(value: str) -> str | None:
+    """Why a string cannot go to Mooncake (a C++ string, a host name, a key)
+    or into a store key (``None`` when it can): a NUL ends a C string early;
+    a lone surrogate (JSON's unpaired ``\\ud800``) is no text and fails
+    when it is encoded."""
+    if "\x00" in value:
+        return "holds a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate (not text)"
+    return None
+
+
 def parse_size(value: Any, field: str) -> int:
     """``"4gb"``, ``"512MB"``, ``"1.5 gib"``, ``"0"`` or a plain integer, in
     whole bytes, at most `MAX_SIZE`. A fraction of a byte (``"1.5"``) and
@@ -64,15 +90,16 @@ def parse_size(value: Any, field: str) -> int:
     from fractions import Fraction
 
     def bad(why: str) -> ValueError:
-        return ValueError(f"MooncakeConfig.{field}={value!r}: {why}")
+        return ValueError(f"MooncakeConfig.{field}={shown(value)}: {why}")
 
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise bad("expected a size like '4gb' or a whole number of bytes")
     if isinstance(value, int):
         size = Fraction(value)
     else:
+        # ASCII digits only: Python's \d and int() take any script's ("١٢").
         match = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,20})?)\s*([kmgt]?)(i?b?)\s*",
-                             value.lower())
+                             value.lower(), re.ASCII)
         if not match or (match.group(3) and not match.group(2) and match.group(3) != "b"):
             raise bad("expected a size like '4gb'")
         size = Fraction(match.group(1)) * _UNITS[match.group(2)]
@@ -105,20 +132,24 @@ class MooncakeConfig:
                      "device_name", "mode"):
             value = getattr(self, name)
             if not isinstance(value, str):
-                raise ValueError(f"MooncakeConfig.{name}={value!r}: expected a string")
+                raise ValueError(f"MooncakeConfig.{name}={shown(value)}: expected a string")
+            why = not_text(value)
+            if why:
+                raise ValueError(f"MooncakeConfig.{name}={shown(value)}: {why}")
         for name in ("global_segment_size", "local_buffer_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not (
                     0 <= value <= MAX_SIZE):
-                raise ValueError(f"MooncakeConfig.{name}={value!r}: expected 0 to {MAX_SIZE} "
+                raise ValueError(f"MooncakeConfig.{name}={shown(value)}: expected 0 to {MAX_SIZE} "
                                  "bytes")
         if self.local_buffer_size == 0:
             raise ValueError("MooncakeConfig.local_buffer_size=0: the client needs a transfer "
                              "buffer (upstream refuses 0 too)")
         if self.protocol not in ("tcp", "rdma"):
-            raise ValueError(f"MooncakeConfig.protocol={self.protocol!r}: expected tcp or rdma")
+            raise ValueError(f"MooncakeConfig.protocol={shown(self.protocol)}: expected tcp or "
+                             "rdma")
         if self.mode not in MODES:
-            raise ValueError(f"MooncakeConfig.mode={self.mode!r}: expected one of "
+            raise ValueError(f"MooncakeConfig.mode={shown(self.mode)}: expected one of "
                              f"{', '.join(MODES)}")
         if self.mode == "embedded" and self.global_segment_size <= 0:
             raise ValueError("MooncakeConfig.global_segment_size=0: mode 'embedded' needs a "
@@ -128,10 +159,10 @@ class MooncakeConfig:
             raise ValueError(f"MooncakeConfig.global_segment_size={self.global_segment_size}: "
                              "mode 'standalone-store' mounts no segment (0); the "
                              "mooncake_client process holds the store's memory")
-        address = re.fullmatch(r"([^:\s]+):(\d{1,5})", self.master_server_address)
+        address = re.fullmatch(r"([^:\s]+):(\d{1,5})", self.master_server_address, re.ASCII)
         if not address or not 1 <= int(address.group(2)) <= 65535:
             raise ValueError(f"MooncakeConfig.master_server_address="
-                             f"{self.master_server_address!r}: expected host:port with a port "
+                             f"{shown(self.master_server_address)}: expected host:port with a port "
                              "in 1..65535")
 
     @classmethod
@@ -141,9 +172,9 @@ class MooncakeConfig:
         known = {f.name for f in attrs.fields(cls)} | ignored
         for key in data:
             if not isinstance(key, str):
-                raise ValueError(f"{where}: field names must be strings, got {key!r}")
+                raise ValueError(f"{where}: field names must be strings, got {shown(key)}")
             if key not in known:
-                raise ValueError(f"{where}: unknown field {key!r}")
+                raise ValueError(f"{where}: unknown field {shown(key)}")
         if "master_server_address" not in data:
             raise ValueError(f"{where}: field 'master_server_address' missing")
         fields = {k: v for k, v in data.items() if k not in ignored}
@@ -170,7 +201,7 @@ class MooncakeConfig:
                                  f"{CONFIG_FILE_LIMIT}")
             with open(path, "rb") as handle:
                 raw = handle.read(CONFIG_FILE_LIMIT + 1)
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_one_of_each)
         except OSError as exc:
             raise ValueError(f"{path}: cannot open ({exc.strerror})") from None
         except UnicodeDecodeError as exc:
@@ -179,9 +210,22 @@ class MooncakeConfig:
             raise ValueError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
         except RecursionError:
             raise ValueError(f"{path}: JSON nested too deeply") from None
+        except ValueError as exc:  # a key given twice; an integer past 4,300 digits
+            raise ValueError(f"{path}: invalid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object")
         return cls.from_dict(data, path)
+
+
+def _one_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are distinct: Python's reader keeps the last
+    of a repeated key without a word (which one did the user mean?)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"field {shown(key)} given twice")
+        out[key] = value
+    return out
 
 
 def _import_store() -> Any:

@@ -38,6 +38,8 @@ from typing import Any
 
 import attrs
 
+from adapters.mooncake import not_text
+from adapters.mooncake import shown as _shown
 from kvstate.trace.destination import unwritable
 from kvstate.variants import VARIANTS, is_variant
 
@@ -82,7 +84,10 @@ def _misspelling(field: str) -> str | None:
 
 
 def _bad(field: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"kv_connector_extra_config[{field!r}]={value!r}: {why}")
+    return ValueError(f"kv_connector_extra_config[{field!r}]={_shown(value)}: {why}")
+
+
+
 
 
 def _flag(extra: dict[str, Any], field: str, default: bool) -> bool:
@@ -113,13 +118,13 @@ class ConnectorOptions:
         if extra is None:
             extra = {}
         if not isinstance(extra, dict):
-            raise ValueError(f"kv_connector_extra_config={extra!r}: expected a JSON object "
+            raise ValueError(f"kv_connector_extra_config={_shown(extra)}: expected a JSON object "
                              f"(field names to values), got {type(extra).__name__}")
         extra = dict(extra)
         for field in extra:
             if not isinstance(field, str):
                 raise ValueError(f"kv_connector_extra_config: field names must be strings, "
-                                 f"got {field!r}")
+                                 f"got {_shown(field)}")
             if field.startswith("kvstate_") and field not in KNOWN_KVSTATE_FIELDS:
                 known = ", ".join(KNOWN_KVSTATE_FIELDS)
                 raise _bad(field, extra[field], f"unknown kvstate field (known: {known})")
@@ -158,10 +163,11 @@ class ConnectorOptions:
                                      or not 1 <= put_step <= MAX_PUT_STEP):
             raise _bad("kvstate_put_step", put_step, f"expected an integer in 1..{MAX_PUT_STEP}")
         prefix = extra.get("cache_prefix", "")
-        if not isinstance(prefix, str) or "@" in prefix or len(prefix) > MAX_CACHE_PREFIX:
-            raise _bad("cache_prefix", prefix if len(str(prefix)) <= 80 else
-                       f"{str(prefix)[:40]}... ({len(str(prefix))} characters)",
-                       f"expected a string without '@', at most {MAX_CACHE_PREFIX} characters")
+        if not isinstance(prefix, str) or "@" in prefix or len(prefix) > MAX_CACHE_PREFIX \
+                or not_text(prefix):
+            raise _bad("cache_prefix", prefix,
+                       f"expected a string without '@', NUL or lone surrogates, at most "
+                       f"{MAX_CACHE_PREFIX} characters")
         return cls(
             protocol=protocol,
             save_decode_cache=_flag(extra, "save_decode_cache", False),

@@ -16,6 +16,19 @@ from pathlib import Path
 def unwritable(path: str) -> str | None:
     """Why a file at ``path`` cannot be created or overwritten by this
     process (``None`` when it can)."""
+    if "\x00" in path:
+        return "holds a NUL character (no file name can)"
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte
+        return "not a file name (a lone surrogate, not text)"
+    try:
+        return _unwritable(path)
+    except OSError as exc:  # a name too long, a loop of links, ...
+        return exc.strerror or str(exc)
+
+
+def _unwritable(path: str) -> str | None:
     out = Path(path)
     if out.is_dir():
         return "is a directory"
