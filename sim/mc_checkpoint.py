@@ -52,6 +52,7 @@ import hashlib
 import io
 import os
 import pickle
+import stat
 from collections.abc import Sequence
 from typing import BinaryIO, NoReturn
 
@@ -194,35 +195,45 @@ def load(path: str) -> Checkpoint:
     unpickled (of a file that does not start as this format's do, only its
     start is, to say what it is). Its frontiers are read into `Frontier`s (on
     disk past their limit)."""
+    from kvstate.trace.reader import trace_name
+
+    name = trace_name(path)  # as errors show it (quoted when blank or not text)
+    if not path:
+        raise CheckpointError(f"{name}: an empty path: give the checkpoint file")
     try:
+        # Only a regular file: opening a FIFO waits for a writer for ever, a
+        # device may never end (issue 32, class 2).
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise CheckpointError(f"{name}: not a regular file (a checkpoint is a file "
+                                  "--checkpoint wrote)")
         with open(path, "rb") as f:
             start = f.read(_START_BYTES)
             if not start.startswith(_START):
-                _refuse_start(path, f, start)
-            content = _check_digest(path, f)
+                _refuse_start(name, f, start)
+            content = _check_digest(name, f)
             f.seek(0)
             unpickler = pickle.Unpickler(f)  # one, as one pickler wrote: they share a memo
             unpickler.load()  # (MAGIC, FORMAT): `_START`
             header = unpickler.load()
             if not isinstance(header, dict):
-                raise CheckpointError(f"{path}: not a readable model-checker checkpoint (its "
+                raise CheckpointError(f"{name}: not a readable model-checker checkpoint (its "
                                       f"header is a {type(header).__name__})")
-            _same_code(path, header.get("code"))
+            _same_code(name, header.get("code"))
             rest, following = Frontier(), Frontier()
             for frontier in (rest, following):
                 for _ in range(int(unpickler.load())):
                     key, blob = unpickler.load()
                     frontier.append(key, blob)
             if f.tell() != content:
-                raise CheckpointError(f"{path}: not a readable model-checker checkpoint "
+                raise CheckpointError(f"{name}: not a readable model-checker checkpoint "
                                       f"({content - f.tell():,} bytes after its last state)")
             return Checkpoint(**header, rest=rest, following=following)
     except CheckpointError:
         raise
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from e
+        raise CheckpointError(f"{name}: cannot open ({e.strerror})") from e
     except Exception as e:  # another start, or pickled classes this code does not have
-        raise CheckpointError(f"{path}: not a readable model-checker checkpoint "
+        raise CheckpointError(f"{name}: not a readable model-checker checkpoint "
                               f"({type(e).__name__}: {e})") from e
 
 

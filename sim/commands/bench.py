@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from sim.commands.errors import UsageError
-from sim.commands.options import positive_int, protocol_name, ray_cluster
+from sim.commands.options import int_in, protocol_name, ray_cluster, workers_int
 from sim.commands.output import envelope, table
 from sim.commands.paths import output_dir
 
@@ -169,7 +169,7 @@ def register(sub: Any) -> None:
                        help="what to measure (default: core sim)")
     parser.add_argument("--tool-protocol", type=protocol_name, action="append",
                        help="for 'tools': only these variants (repeatable; default: all)")
-    parser.add_argument("--workers", type=positive_int, default=1,
+    parser.add_argument("--workers", type=workers_int, default=1,
                        help="for 'tools': compute the variants' rows in N processes (same "
                        "findings and lengths; the seconds then include the other workers' "
                        "load, so 1 is the default)")
@@ -184,12 +184,15 @@ def register(sub: Any) -> None:
                        "computing vLLM (default: $KVSTATE_ENGINE_PYTHON, else .venv-engine "
                        "beside the checkout, else this Python)")
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
-    parser.add_argument("--memory-requests", type=positive_int, nargs="+",
+    # Bounds (issue 32, class 2): the simulator's request bound, vLLM's
+    # longest contexts (~10M tokens), a trace's world size.
+    parser.add_argument("--memory-requests", type=int_in(1, 100_000), nargs="+",
                        default=[10_000, 100_000])
-    parser.add_argument("--context", type=positive_int, nargs="+", default=[1024, 131072])
-    parser.add_argument("--requests", type=positive_int, default=256)
-    parser.add_argument("--world-size", type=positive_int, default=8)
-    parser.add_argument("--cycles", type=positive_int, default=2)
-    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--context", type=int_in(1, 10_000_000), nargs="+",
+                        default=[1024, 131072])
+    parser.add_argument("--requests", type=int_in(1, 100_000), default=256)
+    parser.add_argument("--world-size", type=int_in(1, 1024), default=8)
+    parser.add_argument("--cycles", type=int_in(1, 1000), default=2)
+    parser.add_argument("--repeats", type=int_in(1, 1000), default=3)
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=run)

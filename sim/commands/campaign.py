@@ -9,10 +9,12 @@ from typing import Any
 from sim.commands.errors import UsageError
 from sim.commands.options import (
     DEFAULT_BUDGET,
+    MAX_SEED,
     add_protocols,
-    nonneg_int,
-    positive_int,
+    int_in,
     ray_cluster,
+    seed_int,
+    workers_int,
 )
 from sim.commands.output import envelope
 from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
@@ -36,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds is not None and args.budget is not None:
         raise UsageError(f"--seeds {args.seeds} and --budget {args.budget:g}: a campaign runs "
                          "a number of seeds or for a time, not both")
+    if args.seeds is not None and args.seed + args.seeds - 1 > MAX_SEED:
+        # Each seed's reproduce command is `kvstate sim --seed N`, which takes
+        # 64-bit seeds only.
+        raise UsageError(f"--seed {args.seed} --seeds {args.seeds}: the last seed would be "
+                         f"beyond {MAX_SEED} (2^63-1)")
     if args.budget is None:
         args.budget = DEFAULT_BUDGET
 
@@ -98,13 +105,13 @@ def register(sub: Any) -> None:
     parser = sub.add_parser("campaign", help="many seeds per protocol; what each violates")
     add_protocols(parser)
     parser.set_defaults(budget=None)  # DEFAULT_BUDGET unless --seeds; both is an error
-    parser.add_argument("--seeds", type=positive_int, default=None,
+    parser.add_argument("--seeds", type=int_in(1, MAX_SEED), default=None,
                       help="run exactly this many seeds instead of a time budget")
-    parser.add_argument("--seed", type=nonneg_int, default=0, help="first seed")
+    parser.add_argument("--seed", type=seed_int, default=0, help="first seed")
     parser.add_argument("--stop-when-found", action="store_true")
     parser.add_argument("--require-fired", action="store_true",
                       help="fail if a configured fault site never fired")
-    parser.add_argument("--workers", type=positive_int, default=None,
+    parser.add_argument("--workers", type=workers_int, default=None,
                       help="local worker processes (default: every core)")
     parser.add_argument("--ray", metavar="ADDRESS", default=None,
                       help="run seeds as tasks on this Ray cluster ('local': start one here; "

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from sim.commands.errors import UsageError
-from sim.commands.options import add_sim_options, options_from, positive_int, validate_options
+from sim.commands.options import add_sim_options, int_in, options_from, validate_options
 from sim.commands.output import envelope, violation_dicts
 from sim.commands.paths import output_file, written_whole
 
@@ -63,7 +63,7 @@ def register(sub: Any) -> None:
     parser.add_argument("from_trace", nargs="?", help="a failing simulator trace (or give options)")
     add_sim_options(parser)
     parser.add_argument("--invariant", help="keep this invariant failing (default: the first)")
-    parser.add_argument("--max-runs", type=positive_int, default=200)
+    parser.add_argument("--max-runs", type=int_in(1, 100_000), default=200)
     parser.add_argument("--out", default="minimized.jsonl")
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=run)

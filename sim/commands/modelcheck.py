@@ -12,7 +12,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sim.commands.errors import UsageError
-from sim.commands.options import add_protocols, positive_float, positive_int, ray_cluster
+from sim.commands.options import (
+    MAX_SEED,
+    add_protocols,
+    int_in,
+    positive_float,
+    ray_cluster,
+    workers_int,
+)
 from sim.commands.output import envelope
 from sim.commands.paths import output_dir, output_file
 from sim.commands.progress import Bar, add_progress_option, progress_for
@@ -230,7 +237,7 @@ def register(sub: Any) -> None:
     add_protocols(parser, budget=False)
     parser.add_argument("--budget", type=positive_float, default=None,
                     help="stop after this many seconds (then not exhaustive)")
-    parser.add_argument("--max-states", type=positive_int, default=None)
+    parser.add_argument("--max-states", type=int_in(1, MAX_SEED), default=None)
     parser.add_argument("--no-reduction", action="store_true",
                     help="no symmetry or counter reduction (for comparison)")
     parser.add_argument("--require-exhaustive", action="store_true",
@@ -238,7 +245,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--out-dir", default=".", help="where counterexample traces go")
     parser.add_argument("--engine", choices=("compact", "legacy"), default="compact",
                     help="compact (default) or legacy (the original loop, for comparison)")
-    parser.add_argument("--workers", type=positive_int, default=None,
+    parser.add_argument("--workers", type=workers_int, default=None,
                     help="processes expanding each breadth-first level (compact engine; "
                     "default: every core; same states, counts and counterexamples for any "
                     "number)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +44,28 @@ def int_at_least(low: int) -> Any:
 positive_int = int_at_least(1)
 nonneg_int = int_at_least(0)
 
+# Upper bounds of the options that have no domain bound of their own (issue
+# 32, class 2: a count of 10^30 was taken and the work never ended, or ran
+# out of memory): a seed is a 64-bit integer, as `sim --seed` (and a trace
+# header's) is; a pool of processes or Ray actors is at most this many.
+MAX_SEED = (1 << 63) - 1
+MAX_WORKERS = 1024
+
+
+def int_in(low: int, high: int) -> Any:
+    """An integer type in ``[low, high]``; the message says both bounds."""
+    def parse(text: str) -> int:
+        value = int_at_least(low)(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}], got "
+                                             f"{value}")
+        return value
+    return parse
+
+
+seed_int = int_in(0, MAX_SEED)
+workers_int = int_in(1, MAX_WORKERS)
+
 
 def liveness_steps(text: str) -> int:
     """``--liveness-steps``: the bound a trace header's ``liveness_steps``
@@ -59,8 +82,9 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    if not (value > 0 and math.isfinite(value)):
+        # inf (or 1e999) is no budget, timeout or rate: the work would never end
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 

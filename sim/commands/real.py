@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from sim.commands.errors import UsageError
-from sim.commands.options import nonneg_int, positive_float, positive_int, protocol_name
+from sim.commands.options import int_in, positive_float, positive_int, protocol_name, seed_int
 from sim.commands.output import envelope, table
 from sim.commands.progress import Bar, add_progress_option, print_table, progress_for
 
@@ -20,6 +20,10 @@ REAL_LAYERS, REAL_BLOCKS = 2, 128 + 1
 REAL_MAX_SEGMENT_MIB = 1 << 16
 REAL_MAX_REQUESTS = 100_000  # the simulator's bound (sim.runner.OPTION_LIMITS)
 REAL_MAX_TIMEOUT = 3600.0  # seconds; beyond it a socket timeout overflows
+# A store call shorter than a millisecond cannot succeed (a loopback round
+# trip is ~0.1 ms before any bytes move): the connector's bound too
+# (`adapters.vllm.options.MIN_STORE_TIMEOUT`).
+REAL_MIN_TIMEOUT = 0.001
 
 
 class StoreFailed(UsageError):
@@ -40,6 +44,9 @@ def _check_real_bounds(args: argparse.Namespace) -> None:
         raise UsageError(f"--requests={args.requests}: at most {REAL_MAX_REQUESTS:,}")
     if args.timeout > REAL_MAX_TIMEOUT:
         raise UsageError(f"--timeout={args.timeout:g}: at most {REAL_MAX_TIMEOUT:g} seconds")
+    if args.timeout < REAL_MIN_TIMEOUT:
+        raise UsageError(f"--timeout={args.timeout:g}: at least {REAL_MIN_TIMEOUT:g} seconds "
+                         "(no store call is shorter)")
     if not 16 <= args.segment_mib <= REAL_MAX_SEGMENT_MIB:
         raise UsageError(f"--segment-mib={args.segment_mib}: Mooncake needs 16 MiB to "
                          f"{REAL_MAX_SEGMENT_MIB} MiB per client segment here")
@@ -48,6 +55,9 @@ def _check_real_bounds(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    if args.fast25_path and args.workload != "fast25":
+        raise UsageError(f"--fast25-path {args.fast25_path}: only read with --workload fast25 "
+                         "(the workload is synthetic)")  # as sim says
     if args.master is not None and not args.master.strip():
         raise UsageError("--master '': an empty address (leave the option out to start a "
                          "master on a free loopback port)")
@@ -60,6 +70,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--block-hash={args.block_hash}: {exc}") from None
     _check_real_bounds(args)
+    arrivals = None
+    if not args.bench:
+        # The workload is read (and a bad one refused) before a master starts
+        # or a client connects (issue 32: input checked late).
+        from adapters.runner import workload_arrivals
+
+        arrivals = workload_arrivals(args.workload, args.requests, args.seed, args.scale,
+                                     args.fast25_path)
     # A spinner with the phase under way: adapters.runner has no per-request
     # hook, so there is no count to show. SIGTERM unwinds like Ctrl-C, so the
     # master this command started is stopped too (143: 128 + SIGTERM).
@@ -71,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         with progress_for(args, label="real") as bar:
-            address, outcome = _measure(args, bar)
+            address, outcome = _measure(args, bar, arrivals)
     except StoreFailed as exc:
         # Said, then no interpreter shutdown: the client's thread still blocked
         # on the dead master crashes the process while Python tears down
@@ -111,12 +129,12 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _measure(args: argparse.Namespace, bar: Bar) -> tuple[str, Any]:
+def _measure(args: argparse.Namespace, bar: Bar, arrivals: Any) -> tuple[str, Any]:
     """Start (or reach) the master, connect, then either the adapter bench (its
     figures) or the workload run (the arrivals and the run's result)."""
     from adapters.master import MasterError
     from adapters.mooncake import MooncakeConfig, MooncakeStore, MooncakeUnavailable
-    from adapters.runner import bench_adapter, run_real, workload_arrivals
+    from adapters.runner import bench_adapter, run_real
     from kvstate.config import ConnectorConfig
     from kvstate.memory_store import StoreRaised
 
@@ -145,8 +163,6 @@ def _measure(args: argparse.Namespace, bar: Bar) -> tuple[str, Any]:
             if args.bench:
                 bar.update(phase=f"bench: adapter vs raw client, {args.repeats} rounds a size")
                 return address, bench_adapter(store, repeats=args.repeats)
-            arrivals = workload_arrivals(args.workload, args.requests, args.seed, args.scale,
-                                         args.fast25_path)
             config = ConnectorConfig(block_size=args.block_size, world_size=args.world_size,
                                      save_decode_cache=True, enable_kv_events=True,
                                      cache_prefix=f"run{args.seed}")
@@ -187,9 +203,9 @@ def register(sub: Any) -> None:
     parser.add_argument("--protocol", type=protocol_name, default="kvstate")
     parser.add_argument("--workload", choices=("synthetic", "fast25"), default="synthetic")
     parser.add_argument("--fast25-path", default="")
-    parser.add_argument("--scale", type=positive_int, default=64)
+    parser.add_argument("--scale", type=int_in(1, 1 << 20), default=64)  # as sim's
     parser.add_argument("--requests", type=positive_int, default=40)
-    parser.add_argument("--seed", type=nonneg_int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--world-size", type=positive_int, default=2, choices=(1, 2, 3, 4))
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--block-hash", choices=("vllm-sha256", "vllm-sha256_cbor", "kvstate"),
@@ -206,7 +222,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--bench", action="store_true",
                       help="instead: adapter vs raw client bytes/s for 16 KiB-4 MiB blocks "
                       "(needs --segment-mib 1024 with the default --repeats)")
-    parser.add_argument("--repeats", type=positive_int, default=11,
+    parser.add_argument("--repeats", type=int_in(1, 1000), default=11,
                       help="--bench rounds per block size (median of these)")
     parser.add_argument("--json", action="store_true")
     add_progress_option(parser)
