@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import os
 import signal
 import sys
@@ -34,6 +35,16 @@ class _Parser(argparse.ArgumentParser):
 
     wants_json = False
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # Python 3.11's argparse drops a "--" given as an option's own value
+        # (``--root=--``) and hands the option an empty list, past its type
+        # and choices (a TypeError later): the value is the text "--".
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
     def error(self, message: str) -> NoReturn:
         if _Parser.wants_json:
             from sim.commands.output import envelope
@@ -52,11 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _printable_output()
     parser = build_parser()
     _Parser.wants_json = "--json" in (sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     with _sigterm_unwinds():
         return _run(args)
+
+
+def _printable_output() -> None:
+    """Standard output (and error) write what they cannot encode as escapes,
+    as Python's standard error does: a file name that is not UTF-8 (a lone
+    surrogate once decoded) printed in a report ended the command with a
+    UnicodeEncodeError traceback, after its work, under any UTF-8 locale but
+    C.UTF-8 (issue 32, class 4)."""
+    for stream in (sys.stdout, sys.stderr):  # (Python's own stderr does it already)
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            with contextlib.suppress(ValueError, OSError):  # closed, or not reconfigurable
+                stream.reconfigure(errors="backslashreplace")
 
 
 @contextlib.contextmanager
