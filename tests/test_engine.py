@@ -101,17 +101,22 @@ PROMPTS = [SHARED + prompt(40, 10 + b) for b in range(4)]
 WAVE = Wave([EngineRequest(f"r{b}", p, 24) for b, p in enumerate(PROMPTS)])
 
 
-@pytest.fixture(scope="module")
-def filled(tmp_path_factory, model):
-    """The outputs without a connector, and a first kvstate engine that served
-    the same requests into a fresh store (kept for the tests below)."""
-    deployment = start_deployment(tmp_path_factory.mktemp("filled"), model)
+def fill(workdir: Path, model: str, wave: Wave):
+    """A deployment, the outputs of ``wave`` without a connector, and a first
+    kvstate engine that served it into the fresh store (a fixture's body)."""
+    deployment = start_deployment(workdir, model)
     try:
-        baseline = deployment.run("baseline", [WAVE], connector=None)
-        first = deployment.run("first", [WAVE], extra={"save_decode_cache": True})
+        baseline = deployment.run("baseline", [wave], connector=None)
+        first = deployment.run("first", [wave], extra={"save_decode_cache": True})
         yield deployment, baseline, first
     finally:
         deployment.close()
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory, model):
+    """`fill` with `WAVE`, kept for the tests below."""
+    yield from fill(tmp_path_factory.mktemp("filled"), model, WAVE)
 
 
 def test_outputs_with_the_connector_equal_the_outputs_without_it(filled) -> None:

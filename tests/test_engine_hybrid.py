@@ -27,6 +27,7 @@ from test_engine import (
     assert_drained,
     assert_trace_checks_and_replays,
     engine_python,
+    fill,
     full_blocks,
     outputs,
     prompt,
@@ -61,13 +62,7 @@ def group_kinds(trace: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hybrid_filled(tmp_path_factory, hybrid_model):
-    deployment = start_deployment(tmp_path_factory.mktemp("hybrid-filled"), hybrid_model)
-    try:
-        baseline = deployment.run("baseline", [WAVE], connector=None)
-        first = deployment.run("first", [WAVE], extra={"save_decode_cache": True})
-        yield deployment, baseline, first
-    finally:
-        deployment.close()
+    yield from fill(tmp_path_factory.mktemp("hybrid-filled"), hybrid_model, WAVE)
 
 
 def test_a_sliding_window_model_keeps_two_groups_and_its_outputs(hybrid_filled) -> None:
