@@ -319,6 +319,40 @@ def test_kv_computed_over_a_failed_load_is_never_stored(tmp_path, model, protoco
         assert outputs(later) != outputs(baseline)  # upstream's hazard, reproduced
 
 
+def test_upstreams_connector_observed_in_the_engine_checks_and_replays_under_e2(
+        tmp_path, model) -> None:
+    """vLLM's own MooncakeStoreConnector watched by kvstate's observer
+    (`adapters.vllm.observer`) in the real engine: one engine stores, a
+    second loads every whole prompt block (upstream's asynchronous loads),
+    outputs equal; both traces, written from upstream's own calls, check
+    clean and replay identically through kvstate's ``e2`` (upstream's rules)."""
+    import json
+
+    from sim.check import check_trace
+    from sim.replay import replay_trace
+
+    deployment = start_deployment(tmp_path, model)
+    try:
+        baseline = deployment.run("baseline", [WAVE], connector=None)
+        first = deployment.run("first", [WAVE], connector="observed",
+                               extra={"save_decode_cache": True})
+        second = deployment.run("second", [WAVE], connector="observed",
+                                extra={"save_decode_cache": True})
+    finally:
+        deployment.close()
+    assert outputs(first) == outputs(baseline) == outputs(second)
+    offered = full_blocks(len(PROMPTS[0]))
+    assert sorted(second["external_tokens"].values()) == [offered] * len(PROMPTS)
+    for run, kinds in ((first, {"PutDone"}), (second, {"LoadDone"})):
+        seen = {json.loads(line)["type"] for line in
+                Path(run["trace"]).read_text().splitlines()[1:]}
+        assert kinds <= seen, seen  # the stores and loads were observed
+        checked = check_trace(run["trace"])
+        assert checked.ok, checked.findings[:3]
+        replayed = replay_trace(run["trace"], protocol="e2")
+        assert replayed.ok, replayed.divergence
+
+
 def test_kvstate_serves_what_upstream_stored(tmp_path, model) -> None:
     deployment = start_deployment(tmp_path, model)
     try:

@@ -43,7 +43,7 @@ class Deployment:
         monitor (``monitor``) and writes ``NAME.jsonl`` (its path returned
         as ``result["trace"]``) unless ``trace`` is false."""
         extra = dict(extra or {})
-        if connector == "kvstate":
+        if connector in ("kvstate", "observed"):
             extra.setdefault("kvstate_monitor", monitor)
             if trace:
                 extra["kvstate_trace"] = str(self.workdir / f"{name}.jsonl")

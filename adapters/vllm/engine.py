@@ -13,7 +13,8 @@ finds in the store is only what outlived the first one.
 Theory of operation
 -------------------
 An `EngineSpec` names the model directory (`tiny_llama_dir`), the connector
-(``None``, ``"kvstate"`` or upstream's ``"mooncake"``), its role and extra
+(``None``, ``"kvstate"``, upstream's ``"mooncake"``, or upstream's watched by
+kvstate's observer, ``"observed"``), its role and extra
 config, the KV cache size, and *waves* of requests. A wave's requests are
 added to ``LLMEngine`` at once and the engine is stepped until they finish;
 a request whose ``follows`` names another is added the step after that one
@@ -69,7 +70,9 @@ INIT_STD = 0.15
 # CPU attention takes block sizes that are multiples of 32 ("No common block
 # size for 16" otherwise); GPU backends take 32 too.
 BLOCK_SIZE = 32
-CONNECTORS = (None, "kvstate", "mooncake")
+# None (no connector), kvstate's, upstream's MooncakeStoreConnector, or
+# upstream's watched by kvstate's observer (`adapters.vllm.observer`).
+CONNECTORS = (None, "kvstate", "mooncake", "observed")
 
 
 def tiny_llama_dir(path: str | Path, seed: int = 0, *, layers: int = 2,
@@ -288,6 +291,8 @@ def transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
         return None
     if spec.connector == "kvstate":
         name, module = "KvstateConnector", "adapters.vllm"
+    elif spec.connector == "observed":
+        name, module = "ObservedMooncakeStoreConnector", "adapters.vllm.observer"
     else:
         name, module = "MooncakeStoreConnector", None
     config: dict[str, Any] = {"kv_connector": name, "kv_role": spec.kv_role,
