@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 
 from kvstate.store_codes import code_name
+from kvstate.trace.codec import unique_keys
 
 logger = logging.getLogger("kvstate.mooncake")
 
@@ -201,7 +202,7 @@ class MooncakeConfig:
                                  f"{CONFIG_FILE_LIMIT}")
             with open(path, "rb") as handle:
                 raw = handle.read(CONFIG_FILE_LIMIT + 1)
-            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_one_of_each)
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
         except OSError as exc:
             raise ValueError(f"{path}: cannot open ({exc.strerror})") from None
         except UnicodeDecodeError as exc:
@@ -215,17 +216,6 @@ class MooncakeConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object")
         return cls.from_dict(data, path)
-
-
-def _one_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are distinct: Python's reader keeps the last
-    of a repeated key without a word (which one did the user mean?)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"field {shown(key)} given twice")
-        out[key] = value
-    return out
 
 
 def _import_store() -> Any:

@@ -26,6 +26,8 @@ from typing import Any
 
 import attrs
 
+from kvstate.trace.codec import unique_keys
+
 FAST25_BLOCK = 512  # tokens per hash id in the FAST'25 trace (its README)
 VOCAB = 50000
 
@@ -228,7 +230,8 @@ def _parse_line(raw: bytes, where: str) -> Any:  # a dict, checked by _fields
     except UnicodeDecodeError as exc:
         raise WorkloadError(f"{where}: not UTF-8 ({exc.reason})") from None
     try:
-        return json.loads(text)
+        # A key given twice was read last-wins without a word.
+        return json.loads(text, object_pairs_hook=unique_keys)
     except RecursionError:
         raise WorkloadError(f"{where}: invalid JSON (nested too deeply)") from None
     except ValueError as exc:  # JSONDecodeError, and ints beyond the digit limit

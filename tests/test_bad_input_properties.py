@@ -839,7 +839,7 @@ def test_an_impossible_value_in_a_ranks_record_is_refused(
 
 @pytest.mark.parametrize(("content", "message"), [
     (b'{"master_server_address": "h:1", "x": ' + b"9" * 5000 + b"}", "invalid JSON"),
-    (b'{"master_server_address": "h:1", "master_server_address": "h:2"}', "given twice"),
+    (b'{"master_server_address": "h:1", "master_server_address": "h:2"}', "appears twice"),
     ('{"master_server_address": "127.0.0.1:١٢"}'.encode(), "port in 1..65535"),
     ('{"master_server_address": "h:1", "global_segment_size": "١٢gb"}'.encode(),
      "expected a size"),
@@ -954,3 +954,16 @@ def test_a_fifo_given_to_resume_is_refused_not_waited_on(tmp_path: Path) -> None
     os.mkfifo(fifo)
     done = _kvstate("modelcheck", "--resume", str(fifo), timeout=60)
     assert done.returncode == 2 and b"not a regular file" in done.stderr, done.stderr
+
+
+def test_a_workload_row_with_a_key_twice_is_refused_naming_line_and_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A FAST'25 row's repeated key was read last-wins without a word."""
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 10, '
+                    '"hash_ids": [1, 2]}\n{"timestamp": 5, "input_length": 600, '
+                    '"input_length": 700, "output_length": 1, "hash_ids": [1, 2]}\n')
+    code, out, err = run(capsys, ["sim", "--workload", "fast25", "--fast25-path", str(path),
+                                  "--requests", "2", "--no-progress"])
+    assert code == 2 and f"{path}:2: invalid JSON (the key 'input_length' appears twice" \
+        in err, err

@@ -359,9 +359,11 @@ _JSON = json.JSONDecoder(parse_constant=_reject_constant)
 LIVENESS_STEPS_MAX = 1 << 62
 
 
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object whose keys are all distinct (JSON leaves a repeated key to
-    the reader; Python's takes the last without a word)."""
+    the reader; Python's takes the last without a word): ``json``'s
+    ``object_pairs_hook`` for every file kvstate reads whole or by the line
+    (a trace's header, a FAST'25 workload, a Mooncake config)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -370,7 +372,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-_JSON_UNIQUE = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique)
+_JSON_UNIQUE = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=unique_keys)
 
 
 def parse_json(text: str, where: str, unique_keys: bool = False) -> Any:
