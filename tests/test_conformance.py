@@ -5,7 +5,9 @@ which compares both sides after every step (save jobs, store calls per rank,
 completions, KV events, rank state, pins, reference counts) and keeps every
 difference. A conforming scenario must end with none; the negative controls run a
 mutant of ``e2`` and must be caught where its bug lives. Deliberate differences and
-upstream hazards are in ``specs/conformance.md``.
+upstream hazards are in ``specs/conformance.md``. The second half runs a hybrid model
+(full attention and a sliding window): per-group jobs, keys, masks, events, pins and
+lookups, the found divergences F4 and F5, and the group-rule mutants.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ pytest.importorskip("vllm")
 
 from adapters.vllm.conformance import (  # noqa: E402
     ALL,
+    RULE_MUTANTS,
     Conformance,
+    CurrentTablesPlanner,
     Divergence,
     DivergenceError,
     Fault,
     Setup,
     random_run,
 )
+from kvstate.planner import Planner  # noqa: E402
 
 NO_AVAILABLE_HANDLE = -200
 TRANSFER_FAIL = -800
@@ -385,3 +390,306 @@ def test_random_schedules_tell_the_mutant_apart(variant):
             return
     pytest.fail(f"{variant}: no divergence in 40 random schedules")
 
+
+
+# --------------------------------------------------------------------------
+# Two KV-cache groups: full attention (group 0) and a sliding window (group 1),
+# one block size, blocks from vLLM's own KVCacheManager (the window's blocks
+# are freed and nulled as they leave it). specs/conformance.md, "Two KV-cache
+# groups": what is compared, D6-D8, F4, F5.
+
+WINDOW = 20  # tokens: a hit at a block boundary needs the 2 blocks before it
+
+
+def hybrid(**kwargs) -> Setup:
+    return Setup(sliding_window=kwargs.pop("sliding_window", WINDOW), **kwargs)
+
+
+def keys_of(objects, group: int) -> list[str]:
+    return sorted(k for k in objects if f"@group:{group}@" in k)
+
+
+@pytest.mark.parametrize("kv_events", [False, True], ids=["events-off", "events-on"])
+def test_hybrid_prompt_then_decode_saves(runs, kv_events):
+    """A 72-token prompt in one step, then decode saves: both groups store
+    every chunk (each job is planned before its window blocks are freed), the
+    window's events name group 1, and later jobs' tables show the blocks
+    vLLM freed as the null block (D7, compared after normalisation)."""
+    run = runs(hybrid(save_decode_cache=True, kv_events=kv_events))
+    run.add("a", prompt(72), max_tokens=30)
+    run.steps(30)
+    settle(run)
+    run.assert_conforms()
+    assert len(keys_of(run.store_up.objects, 0)) == len(keys_of(run.store_up.objects, 1)) == 6
+    assert run.normalised["window tables"] > 0
+    assert run.scheduler._pinned_saves == {}
+    if kv_events:
+        assert sorted(e[4] for e in run.published_upstream) == [0] * 6 + [1] * 6
+
+
+def test_hybrid_chunked_prefill_frees_window_blocks_between_jobs(runs):
+    run = runs(hybrid(chunk=16, kv_events=True))
+    run.add("a", prompt(72), max_tokens=2)
+    run.steps(7)
+    settle(run)
+    run.assert_conforms()
+    # Later prefill jobs' window tables hold the blocks that left the window
+    # as the null block (upstream's view; kvstate's mirror still lists them).
+    assert run.normalised["window tables"] >= 1
+    assert len(keys_of(run.store_up.objects, 1)) == 4
+
+
+def test_hybrid_preemption_with_a_queued_job_then_resumption(runs):
+    run = runs(hybrid(save_decode_cache=True, kv_events=True, chunk=32))
+    run.add("a", prompt(72), max_tokens=20)
+    run.step()
+    run.step(jobs=0)  # the second chunk's job stays queued
+    run.step(jobs=0, preempt=["a"])  # ... and is stale now
+    run.step()
+    run.step(resume=["a"])
+    run.steps(25)
+    settle(run)
+    run.assert_conforms()
+    assert run.scheduler._pinned_saves == {}
+
+
+@pytest.mark.parametrize(("world", "put_step"), [(2, 1), (2, 2)])
+def test_hybrid_two_ranks_with_a_lagging_rank(runs, world, put_step):
+    run = runs(hybrid(world_size=world, put_step=put_step, kv_events=True,
+                      save_decode_cache=True, chunk=32))
+    run.add("a", prompt(72), max_tokens=20)
+    for _ in range(6):
+        run.step(jobs={0: ALL})  # rank 1 runs nothing: pins wait for it
+    assert run.scheduler._pinned_saves
+    run.step(jobs={0: ALL, 1: 2})
+    run.add("b", prompt(48) + prompt(20, base=900), max_tokens=5)
+    run.steps(20)
+    settle(run)
+    run.assert_conforms()
+    assert run.lookup(prompt(72) + prompt(8, base=700)) == (64, 64)
+
+
+def test_hybrid_shared_prefix_is_stored_once_and_hits(runs):
+    run = runs(hybrid(kv_events=True))
+    run.add("a", prompt(48), max_tokens=2)
+    run.step()
+    run.add("b", prompt(32) + prompt(20, base=900), max_tokens=2)
+    run.step()
+    settle(run)
+    # a's three chunks and b's own third, in both groups.
+    assert len(keys_of(run.store_up.objects, 0)) == len(keys_of(run.store_up.objects, 1)) == 4
+    assert run.lookup(prompt(32) + prompt(20, base=900)) == (48, 48)
+    assert run.lookup(prompt(48) + prompt(5, base=300)) == (48, 48)
+    assert run.lookup(prompt(40)) == (32, 32)  # a prompt the store fully holds: its last token recomputed
+    assert run.lookup(prompt(15)) == (0, 0)
+    run.assert_conforms()
+    assert run.normalised["lookup key order"] > 0
+
+
+def test_hybrid_lookup_with_window_chunks_missing(runs):
+    """Upstream's window rule: a hit needs every full-attention chunk up to
+    it but only the 2 window chunks before its boundary."""
+    run = runs(hybrid())
+    run.add("a", prompt(72), max_tokens=1)
+    run.steps(3)
+    longer = prompt(72) + prompt(8, base=700)
+    assert run.lookup(longer) == (64, 64)
+    run.evict(prompt(72), chunk=0, group=1)
+    assert run.lookup(longer) == (64, 64)  # chunk 0 is out of every window
+    run.evict(prompt(72), chunk=3, group=1)
+    assert run.lookup(longer) == (48, 48)  # the window before 48 is held
+    run.evict(prompt(72), chunk=2, group=1)
+    assert run.lookup(longer) == (0, 0)  # no 2 window chunks in a row
+    run.assert_conforms()
+
+
+def test_hybrid_lookup_with_a_full_attention_chunk_missing(runs):
+    run = runs(hybrid())
+    run.add("a", prompt(72), max_tokens=1)
+    run.steps(3)
+    run.evict(prompt(72), chunk=2, group=0)
+    assert run.lookup(prompt(72) + prompt(8, base=700)) == (32, 32)
+    run.assert_conforms()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_hybrid_schedules_conform_without_retries(seed):
+    run = random_run(seed, hybrid=True, retries=False)
+    run.assert_conforms()
+
+
+# F4: a retry over chunks that left the window. Found by this harness; the
+# fix is in kvstate's planner (specs/conformance.md, F4).
+
+F4_SETUP = Setup(sliding_window=4, kv_events=True, chunk=32)
+F4_FAULTS = (Fault("put", 0, nth=1, code=TRANSFER_FAIL),)
+
+
+def _f4_run(run: Conformance) -> None:
+    run.add("a", prompt(72), max_tokens=2)
+    run.steps(6)
+
+
+def test_f4_e2_reads_a_freed_window_block_on_a_retry(runs):
+    """The first job's put fails; by the next job vLLM freed window chunk 0
+    (it left the 4-token window) and gave its block to full attention's
+    chunk 2. Upstream's retry skips the chunk (null in the current table);
+    e2's planner still lists the freed block and its rank stores that block's
+    bytes (full attention's chunk 2) under window chunk 0's key."""
+    run = runs(F4_SETUP, faults=F4_FAULTS)
+    _f4_run(run)
+    first = run.first_divergence
+    assert first is not None and first.step == 2 and first.field == "store calls"
+    assert run.f4_explains(first)
+    up_put = next(c for c in first.upstream if c.op == "put")
+    ks_put = next(c for c in first.kvstate if c.op == "put")
+    hashes = run.engine.requests["a"].req.block_hashes
+
+    def block_put(call, group: int, chunk: int) -> int | None:
+        ends = f"@group:{group}@{hashes[chunk].hex()}"
+        return next((b for k, b in zip(call.keys, call.blocks) if k.endswith(ends)), None)
+
+    assert block_put(up_put, 1, 0) is None
+    assert block_put(ks_put, 1, 0) == block_put(ks_put, 0, 2) == block_put(up_put, 0, 2)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["normalised", "strict-window-tables"])
+def test_f4_proposed_planner_fix_conforms(runs, strict):
+    run = Conformance(F4_SETUP, faults=F4_FAULTS, planner_cls=CurrentTablesPlanner,
+                      strict_window_tables=strict)
+    try:
+        _f4_run(run)
+        settle(run)
+    finally:
+        run.close()
+    run.assert_conforms()
+    assert "window tables" not in run.normalised
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_hybrid_schedules_diverge_only_by_f4(seed):
+    """With every fault and with lookups and evictions: e2 either conforms or
+    diverges first by F4, and the proposed planner fix conforms."""
+    run = random_run(seed, hybrid=True)
+    if run.first_divergence is not None:
+        assert run.f4_explains(run.first_divergence), str(run.first_divergence)
+    random_run(seed, hybrid=True, planner_cls=CurrentTablesPlanner).assert_conforms()
+
+
+# Named differences.
+
+
+def test_d7_strict_window_tables_shows_the_mirror(runs):
+    run = Conformance(hybrid(chunk=16, kv_events=True), strict_window_tables=True)
+    try:
+        run.add("a", prompt(72), max_tokens=2)
+        run.steps(7)
+    finally:
+        run.close()
+    first = run.first_divergence
+    assert first is not None and first.field.endswith("block_ids")
+    up_window, ks_window = first.upstream[1], first.kvstate[1]
+    assert 0 in up_window and 0 not in ks_window
+    assert [b for b in up_window if b] == [b for b, u in zip(ks_window, up_window) if u]
+
+
+def test_d6_retention_interval_zero_stores_only_the_replay_tail_upstream(runs):
+    """vLLM with ``prefix_cache_retention_interval=0``: upstream keeps only
+    the window chunks a hit at the prompt's replay boundary needs (chunks 2-3
+    of a 72-token prompt); kvstate models vLLM's default (None) and stores the
+    window densely. A named difference, not a bug of either."""
+    run = runs(hybrid(retention_interval=0))
+    run.add("a", prompt(72), max_tokens=1)
+    run.steps(3)
+    first = run.first_divergence
+    assert first is not None and first.step == 1 and first.field == "store calls"
+    up_keys = {k for c in first.upstream for k in c.keys}
+    ks_keys = {k for c in first.kvstate for k in c.keys}
+    assert up_keys < ks_keys and all("@group:1@" in k for k in ks_keys - up_keys)
+    assert len(keys_of(run.store_up.objects, 1)) == 2
+    assert len(keys_of(run.store_ks.objects, 1)) == 4
+    assert len(keys_of(run.store_up.objects, 0)) == len(keys_of(run.store_ks.objects, 0)) == 4
+
+
+def test_f5_a_report_beyond_the_quorum_in_its_step(runs):
+    """Found with evictions (any number of groups): upstream pops an event
+    that reached its quorum with every count of the step's batch, e2's
+    ValueCountQuorum counts reports one by one and keeps the surplus, so a
+    later report of the same chunk publishes it again in e2 only."""
+    run = runs(Setup(world_size=2, kv_events=True))
+    run.add("a", prompt(32), max_tokens=1)
+    run.step(jobs={0: ALL})  # rank 0 reports a's two chunks; rank 1 lags
+    chunk0 = run.engine.requests["a"].req.block_hashes[0].hex()
+
+    def key(rank: int) -> list[str]:
+        return [k for k in run.store_up.objects if k.endswith(chunk0) and f"@tp_rank:{rank}@" in k]
+
+    run.evict_keys(key(0))
+    run.add("b", prompt(32) + prompt(16, base=900), max_tokens=1)
+    run.step()  # rank 1 runs a's job, rank 0 puts chunk 0 again: 3 reports in one step
+    assert run.divergences == []
+    run.evict_keys(key(1))
+    run.add("c", prompt(32) + prompt(16, base=950), max_tokens=1)
+    run.step()  # rank 1 puts it again: one more report
+    first = run.first_divergence
+    assert first is not None and first.field == "published KV events"
+    extra = list(first.kvstate)
+    for event in first.upstream:
+        extra.remove(event)
+    assert len(extra) == 1 and extra[0][1] is None  # chunk 0 (no parent), published again
+
+
+# --------------------------------------------------------------------------
+# Group-rule mutants: each is caught at the field where its rule lives.
+
+
+def _evicted_window_lookup_run(run: Conformance) -> None:
+    run.add("a", prompt(72), max_tokens=1)
+    run.steps(3)
+    run.evict(prompt(72), chunk=0, group=1)
+    run.lookup(prompt(72) + prompt(8, base=700))
+
+
+def _plain_hybrid_run(run: Conformance) -> None:
+    run.add("a", prompt(72), max_tokens=3)
+    run.steps(4)
+
+
+def _lagging_hybrid_run(run: Conformance) -> None:
+    run.add("a", prompt(72), max_tokens=3)
+    run.step(jobs=0)
+    run.steps(3)
+
+
+@pytest.mark.parametrize(
+    ("name", "setup", "faults", "scenario"),
+    [
+        ("window-lookup-as-full", hybrid(), (), _evicted_window_lookup_run),
+        ("key-without-group", hybrid(), (), _plain_hybrid_run),
+        ("window-stores-freed-blocks", F4_SETUP, F4_FAULTS, _f4_run),
+        ("window-events-as-group-0", hybrid(kv_events=True), (), _plain_hybrid_run),
+        ("window-blocks-unpinned", hybrid(), (), _lagging_hybrid_run),
+    ],
+)
+def test_group_rule_mutant_diverges_where_its_rule_lives(name, setup, faults, scenario):
+    mutant = RULE_MUTANTS[name]
+    run = mutant.run(setup, faults)
+    try:
+        scenario(run)
+    finally:
+        run.close()
+    first = run.first_divergence
+    assert first is not None, f"{name} was not told apart from upstream"
+    assert first.field == mutant.field, str(first)
+    # Only the mutant of the freed-block skip has F4's shape (it is F4 on the ranks).
+    assert run.f4_explains(first) == (name == "window-stores-freed-blocks")
+    with pytest.raises(DivergenceError, match=name):
+        run.assert_conforms()
+    # ...and the same scenario conforms without the mutation.
+    base = CurrentTablesPlanner if issubclass(mutant.planner_cls, CurrentTablesPlanner) else Planner
+    control = Conformance(setup, "e2", faults, planner_cls=base)
+    try:
+        scenario(control)
+    finally:
+        control.close()
+    control.assert_conforms()

@@ -5,10 +5,21 @@ Theory of operation
 -------------------
 One small engine (``Engine``) plays vLLM's scheduler: it holds real vLLM
 ``Request`` objects (so block hashes are the engine's own sha256 chain), allocates
-blocks from a real vLLM ``BlockPool`` and, each step, writes the *same* schedule
-twice: as vLLM's ``SchedulerOutput`` (``NewRequestData`` / ``CachedRequestData``,
-preempted and finished ids, the current block tables) and as kvstate's
-``SchedulerStep``.
+blocks through vLLM's own ``KVCacheManager`` (prefix caching off; one real
+``BlockPool``) and, each step, writes the *same* schedule twice: as vLLM's
+``SchedulerOutput`` (``NewRequestData`` / ``CachedRequestData``, preempted and
+finished ids, the current block tables) and as kvstate's ``SchedulerStep``.
+
+Two KV-cache groups (``Setup(sliding_window=W)``): full attention and a sliding
+window of ``W`` tokens with one block size, the same config on both sides
+(vLLM's ``KVCacheConfig`` with a ``SlidingWindowSpec`` group; kvstate's
+``GroupSpec(SLIDING_WINDOW, W)``). vLLM's ``SlidingWindowManager`` frees the
+blocks that left the window and nulls them in the request's table, so
+upstream's jobs read (and pin) only what is still held. Between steps both
+sides can look a prompt up (``Conformance.lookup``: upstream's
+``MooncakeStoreWorker.lookup`` against kvstate's ``Planner.lookup`` /
+``lookup_answered``: keys asked, answers, hit length) and lose a stored chunk
+(``evict``).
 
 Upstream side: the shipped ``MooncakeStoreConnector`` in the scheduler role (its
 ``MooncakeStoreScheduler`` pins through the real block pool), and per rank the
@@ -32,7 +43,17 @@ answers, blocks read), completions, emitted KV events, rank state (ledger, saved
 offsets, skip set, pressure flag, retry suffix), pins, block reference counts and
 published events, and records every difference as a ``Divergence`` naming the
 step, the rank and the field. Job ids are normalised (upstream counts from 0,
-kvstate from 1); nothing else is.
+kvstate from 1), and three named differences (specs/conformance.md): the order
+of one step's published events (D1, ``strict_event_order``), the window
+group's blocks vLLM freed as kvstate's planner still lists them in job tables,
+pins and reference counts (D7, ``strict_window_tables``), and the order of
+keys in one lookup call (D8). ``normalised`` counts how often D7 and D8 changed
+what was compared.
+
+F4 (kvstate's planner does not see vLLM free window blocks, so a retry reads a
+freed block) is not normalised: it diverges at the store calls, and
+``f4_explains`` names a divergence of its shape. `CurrentTablesPlanner` is
+the planner change that fixes it; `RULE_MUTANTS` break one group rule each.
 
 A put that blocks is the one place where a send thread must be *inside* a store
 call while the engine keeps stepping. Upstream's job then runs on a helper thread
@@ -86,7 +107,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler impor
 )
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     BlockHash,
     get_request_block_hasher,
@@ -103,14 +124,19 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvstate.config import ConnectorConfig  # noqa: E402
+from kvstate.config import ConnectorConfig, GroupKind, GroupSpec  # noqa: E402
 from kvstate.executor import Executor, RankJob  # noqa: E402
+from kvstate.keys import key_for, key_prefix  # noqa: E402
+from kvstate.pins import PerJobPins  # noqa: E402
 from kvstate.planner import Planner  # noqa: E402
 from kvstate.records import (  # noqa: E402
+    NULL_BLOCK_ID,
     CachedRequest,
     ExistsCall,
     NewRequest,
@@ -120,7 +146,7 @@ from kvstate.records import (  # noqa: E402
     SchedulerStep,
 )
 from kvstate.tables import PressureState  # noqa: E402
-from kvstate.variants import Variant, get_variant  # noqa: E402
+from kvstate.variants import FullMetadata, Variant, get_variant  # noqa: E402
 
 MODEL = "tiny-llama"
 # kvstate numbers store jobs from 1, vLLM from 0: kvstate id - JOB_ID_SHIFT = upstream id.
@@ -265,7 +291,6 @@ class EngineRequest:
     def __init__(self, req: Request, max_tokens: int) -> None:
         self.req = req
         self.max_tokens = max_tokens
-        self.blocks: list[int] = []
         self.status = "waiting"  # waiting | running | preempted | finished
         self.resume = False
         self.sent_hashes = 0
@@ -281,28 +306,41 @@ def sampled_token(req_id: str, position: int) -> int:
     return (sum(map(ord, req_id)) * 7919 + position * 104729) % 31991 + 1
 
 
+Tables = tuple[list[int], ...]  # one list of block ids per KV-cache group
+
+
 @attrs.frozen(slots=True)
 class Schedule:
     upstream: SchedulerOutput
     kvstate: SchedulerStep
     scheduled: tuple[str, ...]
+    # The current block tables of the step's scheduled requests, as vLLM's
+    # ``KVConnectorBlockState`` gives them to upstream (a sliding-window
+    # group's blocks that left the window are the null block).
+    tables: Mapping[str, Tables]
 
 
 class Engine:
     """Waiting and running requests, chunked prefill under ``chunk`` tokens per
     request, one decode token per step; preemption, resumption and finishes
-    happen when the scenario says. Blocks come from vLLM's ``BlockPool``, whose
-    reference counts the upstream scheduler's pins also move."""
+    happen when the scenario says. Blocks come from vLLM's own
+    ``KVCacheManager`` (prefix caching off): one ``BlockPool``, whose reference
+    counts the upstream scheduler's pins also move, and one single-type
+    manager per KV-cache group, so a sliding-window group frees the blocks
+    that left the window and nulls them in the request's table exactly as
+    vLLM's ``SlidingWindowManager`` does (``remove_skipped_blocks`` before
+    each allocation, and before a finished request is freed)."""
 
-    def __init__(self, block_size: int, num_blocks: int, chunk: int) -> None:
+    def __init__(self, kv_config: KVCacheConfig, block_size: int, chunk: int) -> None:
         self.block_size = block_size
         self.chunk = chunk
-        self.pool = BlockPool(num_blocks, enable_caching=False, hash_block_size=block_size)
+        self.manager = KVCacheManager(kv_config, max_model_len=1 << 16,
+                                      scheduler_block_size=block_size,
+                                      hash_block_size=block_size, enable_caching=False)
+        self.pool = self.manager.block_pool
         self.hasher = get_request_block_hasher(block_size, sha256)
         self.requests: dict[str, EngineRequest] = {}
         self.finished_ids: set[str] = set()
-        # What the engine itself holds per block (kvstate's pins are compared on top).
-        self.engine_refs: dict[int, int] = {}
 
     def add(self, req_id: str, prompt: Sequence[int], max_tokens: int) -> Request:
         old = self.requests.get(req_id)
@@ -313,22 +351,35 @@ class Engine:
         self.requests[req_id] = EngineRequest(req, max_tokens)
         return req
 
-    def _allocate(self, er: EngineRequest, upto_tokens: int) -> list[int]:
-        need = -(-upto_tokens // self.block_size) - len(er.blocks)
-        if need <= 0:
-            return []
-        new = [b.block_id for b in self.pool.get_new_blocks(need)]
-        for b in new:
-            self.engine_refs[b] = self.engine_refs.get(b, 0) + 1
-        er.blocks.extend(new)
-        return new
+    def tables(self, req_id: str) -> Tables:
+        """The request's current block tables (fresh lists)."""
+        return self.manager.get_block_ids(req_id)
+
+    def holdings(self) -> dict[int, int]:
+        """What the engine itself holds per block: every non-null block of a
+        running request's tables (kvstate's pins are compared on top)."""
+        refs: dict[int, int] = {}
+        for er in self.requests.values():
+            if er.status != "running":
+                continue
+            for table in self.tables(er.req_id):
+                for b in table:
+                    if b != NULL_BLOCK_ID:
+                        refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def _allocate(self, er: EngineRequest, num_new_tokens: int) -> Tables:
+        """``allocate_slots`` for the step's tokens: frees what left a
+        sliding window, then the new blocks of every group."""
+        new = self.manager.allocate_slots(er.req, num_new_tokens)
+        if new is None:
+            raise RuntimeError(f"out of blocks allocating {num_new_tokens} tokens for "
+                               f"{er.req_id!r}: raise Setup.num_blocks")
+        return new.get_block_ids()
 
     def _free(self, er: EngineRequest) -> None:
-        # vLLM frees tail first.
-        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(er.blocks))
-        for b in er.blocks:
-            self.engine_refs[b] -= 1
-        er.blocks = []
+        # vLLM frees tail first, group by group.
+        self.manager.free(er.req)
 
     def schedule(self, preempt: Sequence[str], resume: Sequence[str],
                  on_admit: Callable[[Request, int], None]) -> Schedule:
@@ -352,7 +403,7 @@ class Engine:
         new_ks: list[NewRequest] = []
         cached_ids: list[str] = []
         resumed_ids: set[str] = set()
-        cached_new_blocks: list[tuple[list[int], ...] | None] = []
+        cached_new_blocks: list[Tables | None] = []
         cached_computed: list[int] = []
         cached_ks: list[CachedRequest] = []
         resumed_ks: list[ResumedRequest] = []
@@ -369,15 +420,16 @@ class Engine:
                 self._allocate(er, n)
                 on_admit(req, 0)
                 num_scheduled[er.req_id] = n
-                new_up.append(NewRequestData.from_request(req, (list(er.blocks),)))
+                tables = self.tables(er.req_id)
+                new_up.append(NewRequestData.from_request(req, tables))
                 new_ks.append(NewRequest(
-                    er.req_id, tuple(req.prompt_token_ids or ()), 0, n, (tuple(er.blocks),),
-                    tuple(req.block_hashes)))
+                    er.req_id, tuple(req.prompt_token_ids or ()), 0, n,
+                    tuple(tuple(t) for t in tables), tuple(req.block_hashes)))
                 er.sent_hashes = len(req.block_hashes)
             elif er.status == "running":
                 computed = req.num_computed_tokens
                 n = min(self.chunk, req.num_tokens - computed)
-                new_blocks = self._allocate(er, computed + n)
+                new_blocks = self._allocate(er, n)
                 num_scheduled[er.req_id] = n
                 cached_ids.append(er.req_id)
                 cached_computed.append(computed)
@@ -385,18 +437,20 @@ class Engine:
                     er.resume = False
                     on_admit(req, 0)
                     resumed_ids.add(er.req_id)
-                    cached_new_blocks.append((list(er.blocks),))
+                    tables = self.tables(er.req_id)
+                    cached_new_blocks.append(tables)
                     resumed_ks.append(ResumedRequest(
-                        er.req_id, tuple(req.all_token_ids), computed, n, (tuple(er.blocks),),
-                        tuple(req.block_hashes)))
+                        er.req_id, tuple(req.all_token_ids), computed, n,
+                        tuple(tuple(t) for t in tables), tuple(req.block_hashes)))
                     er.sent_hashes = len(req.block_hashes)
                     continue
-                cached_new_blocks.append((new_blocks,) if new_blocks else None)
+                # ``get_block_ids(allow_none=True)``: None when no group grew.
+                cached_new_blocks.append(new_blocks if any(new_blocks) else None)
                 hashes = tuple(req.block_hashes[er.sent_hashes:])
                 er.sent_hashes = len(req.block_hashes)
                 cached_ks.append(CachedRequest(
                     er.req_id, computed, tuple(req.all_token_ids[computed:computed + n]),
-                    (tuple(new_blocks),), hashes))
+                    tuple(tuple(t) for t in new_blocks), hashes))
         cached = CachedRequestData(
             req_ids=cached_ids, resumed_req_ids=resumed_ids,
             new_token_ids=[[] for _ in cached_ids], all_token_ids={},
@@ -404,9 +458,10 @@ class Engine:
             num_output_tokens=[self.requests[r].req.num_output_tokens for r in cached_ids])
         finished, self.finished_ids = self.finished_ids, set()
         scheduled = tuple(num_scheduled)
+        current = {r: self.tables(r) for r in scheduled}
         block_state = KVConnectorBlockState(
             req_ids=set(scheduled),
-            resolve_block_ids=lambda r: (list(self.requests[r].blocks),),
+            resolve_block_ids=lambda r: tuple(list(t) for t in current[r]),
             boundary_state_offloads={})
         upstream = SchedulerOutput(
             scheduled_new_reqs=new_up, scheduled_cached_reqs=cached,
@@ -420,7 +475,7 @@ class Engine:
             preempted=tuple(preempted), finished=tuple(sorted(finished)))
         for req_id, n in num_scheduled.items():
             self.requests[req_id].scheduled = n
-        return Schedule(upstream, kvstate, scheduled)
+        return Schedule(upstream, kvstate, scheduled, current)
 
     def after_step(self, scheduled: Sequence[str], finish: Sequence[str]) -> None:
         """The forward pass ran: computed tokens advance, a request whose known
@@ -440,6 +495,11 @@ class Engine:
 
     def _finish(self, er: EngineRequest) -> None:
         if er.status == "running":
+            # ``Scheduler._connector_finished`` frees what left the window
+            # first, then the request's blocks are freed.
+            self.manager.remove_skipped_blocks(
+                er.req_id, er.req.num_computed_tokens,
+                num_prompt_tokens=er.req.num_prompt_tokens)
             self._free(er)
         er.status = "finished"
         self.finished_ids.add(er.req_id)
@@ -472,11 +532,14 @@ def host_events() -> Iterator[None]:
 
 
 class HostWorker(upstream_worker.MooncakeStoreWorker):
-    """``MooncakeStoreWorker`` with the attributes its save path reads, built
-    without a Mooncake client (``__init__`` would dial a master)."""
+    """``MooncakeStoreWorker`` with the attributes its save path and its
+    ``lookup`` read, built without a Mooncake client (``__init__`` would dial
+    a master). ``lookup`` is upstream's own, on the rank's scripted store."""
 
     def __init__(self, thread: upstream_worker.KVCacheStoreSendingThread, tp_rank: int,
-                 enable_kv_events: bool, replication: tuple[int, ...]) -> None:
+                 setup: Setup, coord: Any, dbs: list[ChunkedTokenDatabase],
+                 store: StoreClient) -> None:
+        replication = (setup.put_step,) * len(dbs)
         self._capacity_only = False
         self.can_put = True
         self.load_async = True
@@ -484,10 +547,19 @@ class HostWorker(upstream_worker.MooncakeStoreWorker):
         self.finished_store_req = set()
         self.kv_send_thread = thread
         self.tp_rank = tp_rank
-        self.enable_kv_events = enable_kv_events
+        self.enable_kv_events = setup.kv_events
         self._group_tp_replication_factors = replication
         self._kv_connector_stats_lock = threading.Lock()
         self.kv_connector_stats = upstream_worker.MooncakeStoreConnectorStats()
+        # What ``lookup`` reads (``register_kv_caches`` sets them upstream).
+        self.store = store
+        self.coord = coord
+        self.token_dbs = dbs
+        self._kv_cache_groups = coord.kv_cache_groups
+        self.hash_block_size = setup.block_size
+        self.tp_size = setup.world_size
+        self.pcp_size = self.dcp_size = self.pp_size = 1
+        self._init_lookup_key_prefixes()
 
     def close(self) -> None:
         pass
@@ -498,7 +570,7 @@ class UpstreamRank:
         self.rank = rank
         self.client = StoreClient(backing, rank)
         dbs = []
-        for g in range(1):
+        for g in range(setup.num_groups):
             db = ChunkedTokenDatabase(
                 KeyMetadata(MODEL, rank // setup.put_step, 0, 0, 0, group_id=g),
                 setup.block_size, setup.block_size)
@@ -506,9 +578,10 @@ class UpstreamRank:
             db.set_block_len([1])
             dbs.append(db)
         self.thread = upstream_worker.KVCacheStoreSendingThread(
-            self.client, coord, dbs, setup.block_size, rank, (setup.put_step,), "kv_both",
+            self.client, coord, dbs, setup.block_size, rank,
+            (setup.put_step,) * setup.num_groups, "kv_both",
             threading.Event(), enable_kv_event=setup.kv_events, replicate_config=object())
-        self.worker = HostWorker(self.thread, rank, setup.kv_events, (setup.put_step,))
+        self.worker = HostWorker(self.thread, rank, setup, coord, dbs, self.client)
         connector = MooncakeStoreConnector.__new__(MooncakeStoreConnector)
         connector.connector_worker = self.worker
         connector.connector_scheduler = None
@@ -613,6 +686,150 @@ class KvstateRank:
 
 
 # --------------------------------------------------------------------------
+# kvstate's side with one rule changed: F4's proposed fix, and the group-rule
+# mutants (specs/conformance.md, "Two KV-cache groups").
+
+
+class CurrentTablesPlanner(Planner):
+    """F4's proposed planner change, for the harness to show what it fixes:
+    a job's tables are the engine's *current* tables (a sliding-window
+    group's blocks that left the window are the null block), as upstream's
+    ``_apply_current_save_block_ids`` makes them, not the planner's
+    append-only mirror. Jobs then neither read nor pin a block vLLM freed.
+    The harness sets ``current_tables`` every step; kvstate's ``Planner``
+    itself does not do this yet (its ``SchedulerStep`` carries no current
+    tables)."""
+
+    current_tables: Mapping[str, Tables] = {}
+
+    def _maybe_save(self, tracker: Any, skip: bool, is_decode: bool, saves: list[Any],
+                    pins: list[int]) -> None:
+        tables = self.current_tables.get(tracker.req_id)
+        if tables is not None and len(tables) == len(tracker.block_ids):
+            tracker.block_ids = [list(t) for t in tables]
+        super()._maybe_save(tracker, skip, is_decode, saves, pins)
+
+
+class WindowLookupAsFull(Planner):
+    """Mutant: the sliding-window group is looked up with full attention's
+    rule (a hit needs every chunk from 0 held in every group) instead of
+    ``SlidingWindowManager.find_longest_cache_hit``'s (the ``need`` chunks
+    before an aligned boundary). The rule lives in ``Planner._longest_hit``'s
+    spec groups."""
+
+    def __init__(self, config: ConnectorConfig, variant: Variant) -> None:
+        super().__init__(config, variant)
+        self._spec_groups = [(tuple(range(len(config.groups))), None)]
+        self._simple_hybrid = False
+
+
+def _without_group(prefix: str) -> str:
+    return prefix.rsplit("@group:", 1)[0]
+
+
+class KeyWithoutGroupPlanner(Planner):
+    """Mutant (lookups): keys without their ``@group:g`` segment."""
+
+    def __init__(self, config: ConnectorConfig, variant: Variant) -> None:
+        super().__init__(config, variant)
+        self._lookup_prefixes = [[_without_group(p) for p in ps] for ps in self._lookup_prefixes]
+
+
+class KeyWithoutGroupExecutor(Executor):
+    """Mutant (puts): keys without their ``@group:g`` segment, so every group
+    of a chunk shares one key. The rule lives in ``kvstate.keys.key_prefix``."""
+
+    def __init__(self, config: ConnectorConfig, rank: int, variant: Variant) -> None:
+        super().__init__(config, rank, variant)
+        self.prefixes = [_without_group(p) for p in self.prefixes]
+
+
+class WindowEventsAsGroupZero(Executor):
+    """Mutant: every ``BlockStored`` names group 0 (a consumer indexing the
+    store by group would file the window's chunks under full attention). The
+    rule lives in ``Executor._events``."""
+
+    def _events(self, job: RankJob, status: Sequence[int]) -> tuple[Any, ...]:
+        return tuple(attrs.evolve(e, group_idx=0) for e in super()._events(job, status))
+
+
+class FullGroupOnlyPins(PerJobPins):
+    """Mutant: a job pins only the full-attention group's blocks, so the
+    window blocks it reads may be freed and reused under it."""
+
+    name = "per-job-full-group-only"
+
+    def on_job(self, tracker: Any, book: Any, token_len: int, block_size: int,
+               pins: list[int]) -> None:
+        book.pinned = [b for b in tracker.block_ids[0] if b != NULL_BLOCK_ID]
+        pins.extend(book.pinned)
+
+
+class WindowBlocksKeptOnRanks(FullMetadata):
+    """Mutant: each rank keeps its own copy of a request's tables and a null
+    block in a job's table does not overwrite the block it knew, so a rank
+    reads (and stores) a window block vLLM freed when it left the window.
+    The rule lives in the metadata policy's ``resolve`` and the executor's
+    null-block skip; it shows only where job tables carry the null block
+    (`CurrentTablesPlanner`). One instance per run (it holds the copies)."""
+
+    name = "full-keeping-freed-window-blocks"
+
+    def __init__(self) -> None:
+        self.known: dict[tuple[str, int, int], list[list[int]]] = {}
+
+    def resolve(self, entry: Any, meta: Any) -> tuple[Sequence[Sequence[int]], Sequence[bytes]]:  # type: ignore[override]
+        key = (meta.req_id, meta.generation, id(entry))
+        old = self.known.get(key)
+        tables = [list(t) for t in meta.block_ids]
+        if old is not None:
+            for table, before in zip(tables, old):
+                for i, b in enumerate(table):
+                    if b == NULL_BLOCK_ID and i < len(before):
+                        table[i] = before[i]
+        self.known[key] = tables
+        return tables, meta.block_hashes
+
+
+@attrs.frozen
+class RuleMutant:
+    """A kvstate side with one group rule broken, and the harness field where
+    it must be told apart from upstream (its first divergence)."""
+
+    name: str
+    rule: str  # where the rule lives in kvstate
+    field: str
+    changes: Callable[[], dict[str, Any]] = dict  # Variant fields changed from e2 (fresh per run)
+    planner_cls: type[Planner] = Planner
+    executor_cls: type[Executor] = Executor
+
+    def variant(self) -> Variant:
+        return attrs.evolve(get_variant("e2"), name=self.name,
+                            summary=f"e2 with {self.rule} broken", **self.changes())
+
+    def run(self, setup: Setup, faults: Sequence[Fault] = (), **kwargs: Any) -> Conformance:
+        return Conformance(setup, self.variant(), faults, planner_cls=self.planner_cls,
+                           executor_cls=self.executor_cls, **kwargs)
+
+
+RULE_MUTANTS: dict[str, RuleMutant] = {m.name: m for m in (
+    RuleMutant("window-lookup-as-full", "the window group's lookup rule (Planner._longest_hit)",
+               "lookup hit", planner_cls=WindowLookupAsFull),
+    RuleMutant("key-without-group", "the @group:g key segment (kvstate.keys.key_prefix)",
+               "store calls", planner_cls=KeyWithoutGroupPlanner,
+               executor_cls=KeyWithoutGroupExecutor),
+    RuleMutant("window-stores-freed-blocks",
+               "the skip of a window block vLLM freed (metadata resolve, Executor.start)",
+               "store calls", lambda: {"metadata": WindowBlocksKeptOnRanks()},
+               planner_cls=CurrentTablesPlanner),
+    RuleMutant("window-events-as-group-0", "each event's group (Executor._events)",
+               "emitted KV events", executor_cls=WindowEventsAsGroupZero),
+    RuleMutant("window-blocks-unpinned", "every group's blocks pinned (the pin policy)",
+               "pins", lambda: {"pins": FullGroupOnlyPins()}),
+)}
+
+
+# --------------------------------------------------------------------------
 # Normalised views (what is compared).
 
 
@@ -686,6 +903,27 @@ class Setup:
     kv_events: bool = False
     chunk: int = 1 << 20  # prefill tokens per request per step
     num_blocks: int = 128
+    # A hybrid model: group 0 full attention, group 1 a sliding window of this
+    # many tokens, one block size (None: one full-attention group).
+    sliding_window: int | None = None
+    # vLLM's ``KVCacheConfig.prefix_cache_retention_interval``: None (vLLM's
+    # default) keeps a window tail at every aligned boundary, 0 only the
+    # prompt's replay tail. kvstate models None only (specs/conformance.md, D6).
+    retention_interval: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 2:
+            # vLLM needs no block for a window of 1 (upstream then stores none of
+            # the group); kvstate's ``blocks_needed_for_hit`` keeps one.
+            raise ValueError(f"Setup.sliding_window={self.sliding_window}: at least 2")
+
+    @property
+    def num_groups(self) -> int:
+        return 1 if self.sliding_window is None else 2
+
+    @property
+    def window_groups(self) -> tuple[int, ...]:
+        return () if self.sliding_window is None else (1,)
 
 
 def vllm_config(setup: Setup) -> VllmConfig:
@@ -705,10 +943,31 @@ def vllm_config(setup: Setup) -> VllmConfig:
 
 
 def kv_cache_config(setup: Setup) -> KVCacheConfig:
+    """One full-attention group; with ``sliding_window``, a second group with
+    that window and the same block size (what vLLM's hybrid KV-cache manager
+    makes of a Gemma-like model)."""
     spec = FullAttentionSpec(block_size=setup.block_size, num_kv_heads=1, head_size=8,
                              dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["layer.0"], spec)]
+    if setup.sliding_window is not None:
+        window: KVCacheSpec = SlidingWindowSpec(
+            block_size=setup.block_size, num_kv_heads=1, head_size=8, dtype=torch.float32,
+            sliding_window=setup.sliding_window)
+        groups.append(KVCacheGroupSpec(["layer.1"], window))
     return KVCacheConfig(num_blocks=setup.num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+                         kv_cache_groups=groups,
+                         prefix_cache_retention_interval=setup.retention_interval)
+
+
+def connector_config(setup: Setup) -> ConnectorConfig:
+    """kvstate's configuration of the same model."""
+    groups = [GroupSpec()]
+    if setup.sliding_window is not None:
+        groups.append(GroupSpec(GroupKind.SLIDING_WINDOW, setup.sliding_window))
+    return ConnectorConfig(
+        block_size=setup.block_size, world_size=setup.world_size, put_step=setup.put_step,
+        save_decode_cache=setup.save_decode_cache, enable_kv_events=setup.kv_events,
+        model_name=MODEL, groups=tuple(groups))
 
 
 class DivergenceError(AssertionError):
@@ -717,16 +976,25 @@ class DivergenceError(AssertionError):
 
 class Conformance:
     """See the module docstring. ``variant`` is the kvstate protocol to compare
-    (``e2`` by default; a mutant for negative controls). ``strict_event_order``
-    also compares the order of the events one step publishes (a known,
-    deliberate difference: specs/conformance.md)."""
+    (``e2`` by default; a mutant for negative controls); ``planner_cls`` and
+    ``executor_cls`` replace kvstate's planner or executor by a patched one (the
+    group-rule mutants, `RULE_MUTANTS`, and F4's proposed fix,
+    `CurrentTablesPlanner`). ``strict_event_order`` also compares the order of
+    the events one step publishes, ``strict_window_tables`` the window group's
+    blocks vLLM freed in job tables, pins and reference counts (two known,
+    deliberate differences: specs/conformance.md, D1 and D7)."""
 
     def __init__(self, setup: Setup = Setup(), variant: str | Variant = "e2",
-                 faults: Sequence[Fault] = (), *, strict_event_order: bool = False) -> None:
+                 faults: Sequence[Fault] = (), *, strict_event_order: bool = False,
+                 strict_window_tables: bool = False,
+                 planner_cls: type[Planner] = Planner,
+                 executor_cls: type[Executor] = Executor) -> None:
         self.setup = setup
         self.strict_event_order = strict_event_order
+        self.strict_window_tables = strict_window_tables
         self.variant = get_variant(variant) if isinstance(variant, str) else variant
-        self.engine = Engine(setup.block_size, setup.num_blocks, setup.chunk)
+        kv_config = kv_cache_config(setup)
+        self.engine = Engine(kv_config, setup.block_size, setup.chunk)
         self.step_no = 0
         self.divergences: list[Divergence] = []
         self.upstream_dead = False
@@ -736,10 +1004,13 @@ class Conformance:
         self.thread_exceptions: list[tuple[int, int, str]] = []
         # kvstate's save jobs per step, normalised (see ``kvstate_job``), for asserts.
         self.save_jobs: dict[int, list[tuple[Any, ...]]] = {}
+        # How often each named normalisation changed what was compared.
+        self.normalised: dict[str, int] = {}
+        # Lookups compared so far: (after step, upstream hit, kvstate hit).
+        self.lookups: list[tuple[int, int, int]] = []
 
         vc = vllm_config(setup)
-        self.connector = MooncakeStoreConnector(vc, KVConnectorRole.SCHEDULER,
-                                                kv_cache_config(setup))
+        self.connector = MooncakeStoreConnector(vc, KVConnectorRole.SCHEDULER, kv_config)
         scheduler = self.connector.connector_scheduler
         assert scheduler is not None
         self.scheduler: MooncakeStoreScheduler = scheduler
@@ -751,14 +1022,15 @@ class Conformance:
         self.up_ranks = [UpstreamRank(r, coord, setup, self.store_up)
                          for r in range(setup.world_size)]
 
-        self.config = ConnectorConfig(
-            block_size=setup.block_size, world_size=setup.world_size, put_step=setup.put_step,
-            save_decode_cache=setup.save_decode_cache, enable_kv_events=setup.kv_events,
-            model_name=MODEL)
-        self.planner = Planner(self.config, self.variant)
-        self.ks_ranks = [KvstateRank(Executor(self.config, r, self.variant), self.store_ks)
+        self.config = connector_config(setup)
+        self.planner_cls = planner_cls
+        self.planner = planner_cls(self.config, self.variant)
+        self.ks_ranks = [KvstateRank(executor_cls(self.config, r, self.variant), self.store_ks)
                          for r in range(setup.world_size)]
         self.ks_refs: dict[int, int] = {}  # kvstate's pins per block
+        # D7: per kvstate job, the window-group blocks its table lists where
+        # vLLM's current table holds the null block (freed: left the window).
+        self.freed_in_job: dict[int, tuple[int, set[int]]] = {}
 
     def close(self) -> None:
         for rank in self.up_ranks:
@@ -795,14 +1067,19 @@ class Conformance:
         # Scheduler metadata.
         meta = self._guard(found, "build_connector_meta",
                            lambda: self.connector.build_connector_meta(sched.upstream))
+        if isinstance(self.planner, CurrentTablesPlanner):
+            self.planner.current_tables = sched.tables
         plan = self.planner.step(sched.kvstate)
         for b in plan.pins:
             self.ks_refs[b] = self.ks_refs.get(b, 0) + 1
         hb = self.setup.block_size
         up_jobs = [upstream_job(m, hb) for m in meta.requests if m.can_save] if meta else []
         ks_jobs = [kvstate_job(m, hb) for m in plan.saves]
-        self._compare_jobs(found, step, up_jobs, ks_jobs)
         self.save_jobs[step] = ks_jobs
+        if self.setup.window_groups and not self.strict_window_tables:
+            ks_jobs = [self._window_tables(m, job, sched.tables)
+                       for m, job in zip(plan.saves, ks_jobs)]
+        self._compare_jobs(found, step, up_jobs, ks_jobs)
 
         # Every rank takes the step's metadata.
         finished_ids = set(sched.upstream.finished_req_ids)
@@ -873,6 +1150,8 @@ class Conformance:
         settlement = self.planner.on_reports(ks_reports)
         for b in settlement.releases:
             self.ks_refs[b] -= 1
+        for job_id in settlement.released_jobs:
+            self.freed_in_job.pop(job_id, None)
         ks_published = [kvstate_event(e) for e in settlement.published]
         self.published_upstream += up_published
         self.published_kvstate += ks_published
@@ -896,6 +1175,106 @@ class Conformance:
             self.step(**kwargs)
 
     # ------------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """Both sides look a prompt up in their store as it is now (between
+        steps), as vLLM's scheduler would on admitting it: upstream's
+        ``MooncakeStoreWorker.lookup`` on rank 0 (what its lookup server
+        runs), kvstate's ``Planner.lookup`` and ``lookup_answered`` on a
+        planner of its own (the run's planner keeps no state of it). Compared:
+        the keys asked with their answers, as a set (D8: the order of keys in
+        one ``batch_is_exist`` is not compared), and the hit length. Returns
+        (upstream hit, kvstate hit)."""
+        step = self.step_no
+        probe = "lookup-probe"
+        req = Request(probe, list(tokens), SamplingParams(max_tokens=1), None,
+                      block_hasher=self.engine.hasher)
+        hashes = list(req.block_hashes)
+        for rank in (0,):
+            self.store_up.calls.pop(rank, None)
+            self.store_ks.calls.pop(rank, None)
+        up_hit = self.up_ranks[0].worker.lookup(req.num_tokens, hashes).hit_length
+        planner = self.planner_cls(self.config, self.variant)
+        query = planner.lookup(probe, req.num_tokens, tuple(hashes))
+        present: list[bool] = []
+        if query.keys:
+            try:
+                answers = self.store_ks.exists(0, query.keys, self.store_ks.fault_for("exists", 0))
+                present = [a == 1 for a in answers]
+            except StoreRaised:  # KvstateConnector: a failed lookup is a miss
+                present = [False] * len(query.keys)
+        ks_hit = planner.lookup_answered(query, present)
+        found: list[Divergence] = []
+
+        def asked(calls: list[StoreCall]) -> list[tuple[str, Any]]:
+            return sorted((k, a) for c in calls for k, a in zip(c.keys, c.answers))
+
+        up_calls, ks_calls = self.store_up.calls.pop(0, []), self.store_ks.calls.pop(0, [])
+        if [c.keys for c in up_calls] != [c.keys for c in ks_calls]:
+            self.normalised["lookup key order"] = self.normalised.get("lookup key order", 0) + 1
+        self._compare(found, step, 0, "lookup keys", asked(up_calls), asked(ks_calls))
+        self._compare(found, step, 0, "lookup hit", up_hit, ks_hit)
+        self.divergences.extend(found)
+        self.lookups.append((step, up_hit, ks_hit))
+        return up_hit, ks_hit
+
+    def evict(self, tokens: Sequence[int], chunk: int, group: int) -> list[str]:
+        """Remove one chunk of one group (every rank's namespace) from both
+        stores, as Mooncake evicting it would; returns the keys removed."""
+        req = Request("evict-probe", list(tokens), SamplingParams(max_tokens=1), None,
+                      block_hasher=self.engine.hasher)
+        digest = req.block_hashes[chunk].hex()
+        keys = [key_for(key_prefix(self.config, ns * self.config.put_step, group), digest)
+                for ns in range(self.config.num_namespaces)]
+        self.evict_keys(keys)
+        return keys
+
+    def evict_keys(self, keys: Sequence[str]) -> None:
+        """Remove keys from both stores (each must be in both)."""
+        for key in keys:
+            if key not in self.store_up.objects or key not in self.store_ks.objects:
+                raise ValueError(f"evict: {key} is not in both stores")
+            del self.store_up.objects[key]
+            del self.store_ks.objects[key]
+
+    def _window_tables(self, meta: Any, job: tuple[Any, ...],
+                       current: Mapping[str, Tables]) -> tuple[Any, ...]:
+        """D7: kvstate's job table with the window-group blocks vLLM freed
+        (the current table holds the null block there) nulled, as upstream's
+        ``_apply_current_save_block_ids`` sees them; remembers where they sit
+        among the job's non-null blocks, for its pins and the reference
+        counts. Anything else in the table is compared as it is."""
+        now = current.get(meta.req_id)
+        if now is None:
+            return job
+        tables = [list(t) for t in job[4]]
+        freed: set[int] = set()  # indexes among the table's non-null blocks, group-major
+        flat = 0
+        for g, table in enumerate(tables):
+            for i, b in enumerate(table):
+                if b == NULL_BLOCK_ID:
+                    continue
+                pos = meta.block_ids_start + i
+                if g in self.setup.window_groups and pos < len(now[g]) and \
+                        now[g][pos] == NULL_BLOCK_ID:
+                    table[i] = NULL_BLOCK_ID
+                    freed.add(flat)
+                flat += 1
+        if not freed:
+            return job
+        self.freed_in_job[meta.job_id] = (flat, freed)
+        self.normalised["window tables"] = self.normalised.get("window tables", 0) + len(freed)
+        return (*job[:4], tuple(tuple(t) for t in tables), *job[5:])
+
+    def _pinned(self, job_id: int, pinned: Sequence[int]) -> list[int]:
+        """A kvstate job's pins less its D7 blocks. ``e2`` pins every
+        non-null block of the job's table, group-major, so pin ``i`` is the
+        table's ``i``-th non-null block; pins of any other shape are left as
+        they are (and compared so)."""
+        entry = self.freed_in_job.get(job_id)
+        if entry is None or len(pinned) != entry[0]:
+            return list(pinned)
+        return [b for i, b in enumerate(pinned) if i not in entry[1]]
 
     def _admit_upstream(self, req: Request) -> None:
         # vLLM calls these for every request it admits from the waiting queue
@@ -939,19 +1318,54 @@ class Conformance:
 
     def _kvstate_pins(self) -> dict[int, tuple[tuple[int, ...], int]]:
         world = self.setup.world_size
-        return {j - JOB_ID_SHIFT: (tuple(book.pinned), world - len(book.ranks))
-                for j, book in sorted(self.planner.jobs.items()) if book.pinned}
+        out = {}
+        for j, book in sorted(self.planner.jobs.items()):
+            pinned = self._pinned(j, book.pinned)
+            if pinned:
+                out[j - JOB_ID_SHIFT] = (tuple(pinned), world - len(book.ranks))
+        return out
 
     def _upstream_refs(self) -> dict[int, int]:
         return {b.block_id: b.ref_cnt for b in self.engine.pool.blocks[1:] if b.ref_cnt}
 
     def _kvstate_refs(self) -> dict[int, int]:
-        refs = dict(self.engine.engine_refs)
+        refs = self.engine.holdings()
         for b, n in self.ks_refs.items():
             refs[b] = refs.get(b, 0) + n
+        for j in self.freed_in_job:  # D7: pins of blocks vLLM freed
+            book = self.planner.jobs.get(j)
+            if book is not None:
+                for b in book.pinned:
+                    refs[b] -= 1
+                for b in self._pinned(j, book.pinned):
+                    refs[b] += 1
         return {b: n for b, n in sorted(refs.items()) if n}
 
     # ------------------------------------------------------------------
+
+    def f4_explains(self, d: Divergence) -> bool:
+        """Whether ``d`` is F4's divergence: store calls that differ only by
+        window-group chunks kvstate's rank asked for or put (their keys,
+        answers and blocks) where upstream's job skipped them as the null
+        block (specs/conformance.md, F4). Nothing else is explained by it."""
+        if d.field != "store calls" or len(d.upstream) != len(d.kvstate):
+            return False
+        marks = tuple(f"@group:{g}@" for g in self.setup.window_groups)
+        extra = False
+        for up, ks in zip(d.upstream, d.kvstate):
+            if up.op != ks.op:
+                return False
+            keep = [i for i, k in enumerate(ks.keys)
+                    if k in up.keys or not any(m in k for m in marks)]
+            extra |= len(keep) < len(ks.keys)
+            raised = ks.answers == ("raised",)
+            trimmed = StoreCall(
+                ks.op, tuple(ks.keys[i] for i in keep),
+                ks.answers if raised else tuple(ks.answers[i] for i in keep),
+                tuple(ks.blocks[i] for i in keep) if ks.blocks else ())
+            if trimmed != up:
+                return False
+        return extra
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -974,23 +1388,38 @@ class Conformance:
 
 
 def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2", *,
-               strict_event_order: bool = False) -> Conformance:
+               strict_event_order: bool = False, hybrid: bool = False,
+               retries: bool = True, planner_cls: type[Planner] = Planner,
+               executor_cls: type[Executor] = Executor) -> Conformance:
     """Run one seeded random schedule (admissions with shared prefixes, id reuse,
     chunked prefill, preemption and resumption, aborts, lagging ranks, store
     faults including blocked puts) and return the finished run. Request ids are
     never reused in the step right after they finished: upstream crashes there
-    (specs/conformance.md), which would end every such run."""
+    (specs/conformance.md), which would end every such run.
+
+    ``hybrid``: the model has a sliding-window group too (a window of 4, 20 or
+    40 tokens), and between steps both sides may look a prompt up or lose a
+    stored chunk (an eviction from both stores). ``retries=False`` draws every
+    fault that would fail a store call as a blocked put instead, so no job is
+    retried (a retry over blocks that left the window is F4, where ``e2``
+    diverges until its planner sees current tables; ``planner_cls`` may be
+    `CurrentTablesPlanner`, F4's proposed fix; ``executor_cls`` a patched
+    executor, as `RuleMutant` has). A one-group seed draws the same schedule
+    whatever these say."""
     import random
 
     rnd = random.Random(seed)
     world = rnd.choice([1, 2])
+    window = random.Random(f"{seed}-window").choice([4, 20, 40]) if hybrid else None
     setup = Setup(world_size=world, put_step=rnd.choice([1, world]),
                   kv_events=rnd.random() < 0.7, save_decode_cache=rnd.random() < 0.7,
-                  chunk=rnd.choice([16, 32, 1 << 20]))
+                  chunk=rnd.choice([16, 32, 1 << 20]), sliding_window=window)
     faults = []
     for _ in range(rnd.randint(0, 4)):
         rank, nth = rnd.randrange(world), rnd.randint(1, 8)
         kind = rnd.choice(["no space", "raise", "partial", "transfer", "block", "exists raise"])
+        if not retries:
+            kind = "block"
         faults.append({
             "no space": Fault("put", rank, nth, code=-200),
             "raise": Fault("put", rank, nth, raises=True),
@@ -999,8 +1428,10 @@ def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2", *,
             "block": Fault("put", rank, nth, blocks=True),
             "exists raise": Fault("exists", rank, nth, raises=True),
         }[kind])
-    run = Conformance(setup, variant, faults, strict_event_order=strict_event_order)
+    run = Conformance(setup, variant, faults, strict_event_order=strict_event_order,
+                      planner_cls=planner_cls, executor_cls=executor_cls)
     ids = ("a", "b", "c")
+    between = random.Random(f"{seed}-between")  # hybrid runs' lookups and evictions
 
     def both_blocked() -> list[int]:
         return [r for r in range(world)
@@ -1029,29 +1460,50 @@ def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2", *,
             if rnd.random() < 0.4:
                 kwargs["jobs"] = {r: rnd.choice([0, 1, ALL]) for r in range(world)}
             run.step(**kwargs)
+            if hybrid and not run.divergences:
+                # An eviction only where every event's quorum is one report:
+                # otherwise a re-put may report an event again in the step its
+                # quorum completes (F5, not a group rule).
+                if between.random() < 0.2 and run.store_up.objects and \
+                        (run.config.quorum == 1 or not setup.kv_events) and \
+                        run.store_up.objects == run.store_ks.objects:
+                    run.evict_keys([between.choice(sorted(run.store_up.objects))])
+                if between.random() < 0.3:
+                    base = between.choice([1, 1, 500])
+                    run.lookup(range(base, base + between.randint(10, 90)))
             if run.divergences:
                 return run
         run.step(release=both_blocked())
         run.steps(5)
+        if hybrid and not run.divergences:
+            run.lookup(range(1, 91))
+            run.lookup(range(500, 590))
         return run
     finally:
         run.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m adapters.vllm.conformance [--strict-event-order] [FIRST [LAST]]``:
-    random schedules ``FIRST..LAST-1``; prints the first divergence of each
-    failing seed. Exit 1 if any diverged."""
+    """``python -m adapters.vllm.conformance [--strict-event-order] [--hybrid
+    [--no-retries] [--current-tables]] [FIRST [LAST]]``: random schedules
+    ``FIRST..LAST-1`` (``--hybrid``: with a sliding-window group, lookups and
+    evictions; ``--no-retries``: no store call fails; ``--current-tables``:
+    kvstate's planner with F4's proposed fix); prints the first divergence of
+    each failing seed. Exit 1 if any diverged."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
-    strict = "--strict-event-order" in args
-    args = [a for a in args if a != "--strict-event-order"]
+    flags = {"--strict-event-order", "--hybrid", "--no-retries", "--current-tables"}
+    given = {a for a in args if a in flags}
+    args = [a for a in args if a not in flags]
     first = int(args[0]) if args else 0
     last = int(args[1]) if len(args) > 1 else first + 20
     bad = 0
     for seed in range(first, last):
-        run = random_run(seed, strict_event_order=strict)
+        run = random_run(
+            seed, strict_event_order="--strict-event-order" in given,
+            hybrid="--hybrid" in given, retries="--no-retries" not in given,
+            planner_cls=CurrentTablesPlanner if "--current-tables" in given else Planner)
         if run.first_divergence is not None:
             bad += 1
             print(f"seed {seed} ({run.setup}): {run.first_divergence}")
