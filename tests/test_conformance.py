@@ -396,7 +396,7 @@ def test_random_schedules_tell_the_mutant_apart(variant):
 # Two KV-cache groups: full attention (group 0) and a sliding window (group 1),
 # one block size, blocks from vLLM's own KVCacheManager (the window's blocks
 # are freed and nulled as they leave it). specs/conformance.md, "Two KV-cache
-# groups": what is compared, D6-D8, F4, F5.
+# groups": what is compared, D7-D9, F4, F5.
 
 WINDOW = 20  # tokens: a hit at a block boundary needs the 2 blocks before it
 
@@ -414,7 +414,7 @@ def test_hybrid_prompt_then_decode_saves(runs, kv_events):
     """A 72-token prompt in one step, then decode saves: both groups store
     every chunk (each job is planned before its window blocks are freed), the
     window's events name group 1, and later jobs' tables show the blocks
-    vLLM freed as the null block (D7, compared after normalisation)."""
+    vLLM freed as the null block (D8, compared after normalisation)."""
     run = runs(hybrid(save_decode_cache=True, kv_events=kv_events))
     run.add("a", prompt(72), max_tokens=30)
     run.steps(30)
@@ -579,7 +579,7 @@ def test_random_hybrid_schedules_diverge_only_by_f4(seed):
 # Named differences.
 
 
-def test_d7_strict_window_tables_shows_the_mirror(runs):
+def test_d8_strict_window_tables_shows_the_mirror(runs):
     run = Conformance(hybrid(chunk=16, kv_events=True), strict_window_tables=True)
     try:
         run.add("a", prompt(72), max_tokens=2)
@@ -593,7 +593,7 @@ def test_d7_strict_window_tables_shows_the_mirror(runs):
     assert [b for b in up_window if b] == [b for b, u in zip(ks_window, up_window) if u]
 
 
-def test_d6_retention_interval_zero_stores_only_the_replay_tail_upstream(runs):
+def test_d7_retention_interval_zero_stores_only_the_replay_tail_upstream(runs):
     """vLLM with ``prefix_cache_retention_interval=0``: upstream keeps only
     the window chunks a hit at the prompt's replay boundary needs (chunks 2-3
     of a 72-token prompt); kvstate models vLLM's default (None) and stores the

@@ -46,8 +46,8 @@ step, the rank and the field. Job ids are normalised (upstream counts from 0,
 kvstate from 1), and three named differences (specs/conformance.md): the order
 of one step's published events (D1, ``strict_event_order``), the window
 group's blocks vLLM freed as kvstate's planner still lists them in job tables,
-pins and reference counts (D7, ``strict_window_tables``), and the order of
-keys in one lookup call (D8). ``normalised`` counts how often D7 and D8 changed
+pins and reference counts (D8, ``strict_window_tables``), and the order of
+keys in one lookup call (D9). ``normalised`` counts how often D8 and D9 changed
 what was compared.
 
 F4 (kvstate's planner does not see vLLM free window blocks, so a retry reads a
@@ -908,7 +908,7 @@ class Setup:
     sliding_window: int | None = None
     # vLLM's ``KVCacheConfig.prefix_cache_retention_interval``: None (vLLM's
     # default) keeps a window tail at every aligned boundary, 0 only the
-    # prompt's replay tail. kvstate models None only (specs/conformance.md, D6).
+    # prompt's replay tail. kvstate models None only (specs/conformance.md, D7).
     retention_interval: int | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -982,7 +982,7 @@ class Conformance:
     `CurrentTablesPlanner`). ``strict_event_order`` also compares the order of
     the events one step publishes, ``strict_window_tables`` the window group's
     blocks vLLM freed in job tables, pins and reference counts (two known,
-    deliberate differences: specs/conformance.md, D1 and D7)."""
+    deliberate differences: specs/conformance.md, D1 and D8)."""
 
     def __init__(self, setup: Setup = Setup(), variant: str | Variant = "e2",
                  faults: Sequence[Fault] = (), *, strict_event_order: bool = False,
@@ -1028,7 +1028,7 @@ class Conformance:
         self.ks_ranks = [KvstateRank(executor_cls(self.config, r, self.variant), self.store_ks)
                          for r in range(setup.world_size)]
         self.ks_refs: dict[int, int] = {}  # kvstate's pins per block
-        # D7: per kvstate job, the window-group blocks its table lists where
+        # D8: per kvstate job, the window-group blocks its table lists where
         # vLLM's current table holds the null block (freed: left the window).
         self.freed_in_job: dict[int, tuple[int, set[int]]] = {}
 
@@ -1182,7 +1182,7 @@ class Conformance:
         ``MooncakeStoreWorker.lookup`` on rank 0 (what its lookup server
         runs), kvstate's ``Planner.lookup`` and ``lookup_answered`` on a
         planner of its own (the run's planner keeps no state of it). Compared:
-        the keys asked with their answers, as a set (D8: the order of keys in
+        the keys asked with their answers, as a set (D9: the order of keys in
         one ``batch_is_exist`` is not compared), and the hit length. Returns
         (upstream hit, kvstate hit)."""
         step = self.step_no
@@ -1239,7 +1239,7 @@ class Conformance:
 
     def _window_tables(self, meta: Any, job: tuple[Any, ...],
                        current: Mapping[str, Tables]) -> tuple[Any, ...]:
-        """D7: kvstate's job table with the window-group blocks vLLM freed
+        """D8: kvstate's job table with the window-group blocks vLLM freed
         (the current table holds the null block there) nulled, as upstream's
         ``_apply_current_save_block_ids`` sees them; remembers where they sit
         among the job's non-null blocks, for its pins and the reference
@@ -1267,7 +1267,7 @@ class Conformance:
         return (*job[:4], tuple(tuple(t) for t in tables), *job[5:])
 
     def _pinned(self, job_id: int, pinned: Sequence[int]) -> list[int]:
-        """A kvstate job's pins less its D7 blocks. ``e2`` pins every
+        """A kvstate job's pins less its D8 blocks. ``e2`` pins every
         non-null block of the job's table, group-major, so pin ``i`` is the
         table's ``i``-th non-null block; pins of any other shape are left as
         they are (and compared so)."""
@@ -1332,7 +1332,7 @@ class Conformance:
         refs = self.engine.holdings()
         for b, n in self.ks_refs.items():
             refs[b] = refs.get(b, 0) + n
-        for j in self.freed_in_job:  # D7: pins of blocks vLLM freed
+        for j in self.freed_in_job:  # D8: pins of blocks vLLM freed
             book = self.planner.jobs.get(j)
             if book is not None:
                 for b in book.pinned:
