@@ -328,12 +328,12 @@ def run_real_processes(
 
 def workload_arrivals(kind: str, requests: int, seed: int, scale: int = 64,
                       fast25_path: str = "") -> list[tuple[str, Sequence[int], int]]:
-    """Arrivals for the real runner from the simulator's workloads."""
+    """Arrivals for the real runner from the workloads the simulator runs too
+    (`kvstate.workloads`: below both, so the adapters need nothing of `sim`)."""
     import random
     from pathlib import Path
 
-    from sim.runner import DEFAULT_FAST25
-    from sim.workloads import fast25, synthetic
+    from kvstate.workloads import DEFAULT_FAST25, fast25, synthetic
 
     if kind == "synthetic":
         feed = synthetic(random.Random(seed), requests=requests, prompt_tokens=(16, 96),

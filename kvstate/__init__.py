@@ -24,7 +24,7 @@ loaded on first use, so ``import kvstate`` stays cheap. In groups:
   `kvstate.protocols`); the Hypothesis machine `kvstate.testing.ConnectorMachine`
   (needs ``kvstate[test]``, so it is not re-exported here);
 - traces: `TraceReader`, `TraceError`, `encode_header`, `encode_observation`,
-  `trace_schema`. (``kvstate check`` is `sim.check.check_trace`: the core
+  `trace_schema`. (``kvstate check`` is `sim.traces.check.check_trace`: the core
   imports nothing from ``sim``.)
 """
 

@@ -146,7 +146,7 @@ VLLM_SOURCES: dict[str, str] = {
 
 # Steps (``plan.step``) after which a job or pin still held where a trace ends
 # is stuck, when neither the header's ``liveness_steps`` nor ``kvstate check
-# --liveness-steps`` says otherwise (`sim.check.DEFAULT_LIVENESS_STEPS`, which
+# --liveness-steps`` says otherwise (`sim.traces.check.DEFAULT_LIVENESS_STEPS`, which
 # a test holds equal).
 DEFAULT_LIVENESS_STEPS = 64
 

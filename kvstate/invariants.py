@@ -215,7 +215,7 @@ def expected_content(key: str) -> str | None:
 # member, a flag), not as two observation numbers compared later: the monitor's
 # state then says the same for every interleaving that leads to the same facts.
 # The model checker's state space shrinks by that (a state is the whole harness,
-# monitor included: `sim.modelcheck`), and a long trace's monitor stops
+# monitor included: `sim.explore.modelcheck.model`), and a long trace's monitor stops
 # carrying one number per block ever freed.
 
 

@@ -118,9 +118,9 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 def _run(args: argparse.Namespace) -> int:
     from kvstate.trace import TraceError
-    from sim.coverage import CoverageError
+    from kvstate.workloads import WorkloadError
     from sim.extras import MissingExtra
-    from sim.workloads import WorkloadError
+    from sim.traces.coverage import CoverageError
 
     try:
         return int(args.func(args))

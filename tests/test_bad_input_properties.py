@@ -74,7 +74,7 @@ from sim.cli import build_parser, main
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "trace.md"
 SCENARIO = ROOT / "specs" / "scenarios" / "preempt-with-queued-job.jsonl"
-FAST25 = ROOT / "sim" / "data" / "mooncake_fast25_conversation.jsonl.gz"
+FAST25 = ROOT / "kvstate" / "data" / "mooncake_fast25_conversation.jsonl.gz"
 
 # Examples run a handful of commands on a small file each: seconds are far
 # above what one takes (tens of milliseconds), and far below a hang.
@@ -335,14 +335,14 @@ def _minimize_stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """`kvstate minimize TRACE` reads the trace's header options and then
     runs the simulator up to --max-runs times: the stub stops it there,
     checking that what the reader accepted is a run `sim` would take."""
-    import sim.minimize
+    import sim.traces.minimize
     from sim.commands.options import validate_options
 
     def stub(options: Any, **kwargs: Any) -> Any:
         validate_options(options)  # what got through is a valid run
         raise Reached("minimize", options)
 
-    monkeypatch.setattr(sim.minimize, "minimize", stub)
+    monkeypatch.setattr(sim.traces.minimize, "minimize", stub)
     yield
 
 
@@ -576,13 +576,16 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 @contextlib.contextmanager
 def _work_stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every command's work replaced by a stub that reports it was reached."""
+    import importlib
+    import pkgutil
+
     import sim.bench
-    import sim.campaign
-    import sim.cluster
-    import sim.demo
-    import sim.fuzz
-    import sim.modelcheck
-    import sim.runner
+    import sim.explore.campaign
+    import sim.explore.cluster
+    import sim.explore.fuzz
+    import sim.explore.modelcheck.search
+    import sim.simulator.demo
+    import sim.simulator.runner
     from sim.commands import bench
 
     def stub(what: str) -> Any:
@@ -590,11 +593,13 @@ def _work_stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             raise Reached(what, (args, kwargs))
         return reached
 
-    for module, names in ((sim.runner, ["simulate"]), (sim.campaign, ["campaign"]),
-                          (sim.fuzz, ["fuzz"]), (sim.modelcheck, ["check"]),
-                          (sim.demo, ["run_demo"]), (sim.cluster, ["Cluster"]),
+    for module, names in ((sim.simulator.runner, ["simulate"]), (sim.explore.campaign, ["campaign"]),
+                          (sim.explore.fuzz, ["fuzz"]), (sim.explore.modelcheck.search, ["check"]),
+                          (sim.simulator.demo, ["run_demo"]), (sim.explore.cluster, ["Cluster"]),
                           (bench, ["_bench_vllm", "_bench_engine"]),
-                          (sim.bench, [n for n in dir(sim.bench) if n.startswith("bench_")])):
+                          *((m, [n for n in dir(m) if n.startswith("bench_")])
+                            for m in (importlib.import_module(f"sim.bench.{i.name}")
+                                      for i in pkgutil.iter_modules(sim.bench.__path__)))):
         for name in names:
             monkeypatch.setattr(module, name, stub(f"{module.__name__}.{name}"))
     import kvstate.scenarios
@@ -707,12 +712,12 @@ def test_any_damaged_checkpoint_is_refused_naming_the_file(
             [None, [1, 2], ("kvstate model-checker checkpoint", 999), {"a": 1}])), protocol=5))
     path = tmp_path / "resume.ckpt"
     path.write_bytes(bytes(raw))
-    import sim.modelcheck
+    import sim.explore.modelcheck.search
 
     def reached(*args: Any, **kwargs: Any) -> Any:
         raise Reached("modelcheck.check")
 
-    monkeypatch.setattr(sim.modelcheck, "check", reached)
+    monkeypatch.setattr(sim.explore.modelcheck.search, "check", reached)
     code, out, err = run(capsys, ["modelcheck", "--resume", str(path), "--workers", "1",
                                   "--no-progress"])
     assert_clean(code, out, err)

@@ -86,8 +86,8 @@ def test_the_sim_bench_unchecked_row_runs_the_same_simulation_without_checks() -
     """`kvstate bench sim` weighs the checks by running the same seed with a
     monitor that checks nothing: the same observations, and a buggy
     variant's violation goes unseen there."""
-    from sim.bench import _Unchecked
-    from sim.runner import SimOptions, simulate
+    from sim.bench.simulation import _Unchecked
+    from sim.simulator.runner import SimOptions, simulate
 
     options = SimOptions(requests=40, protocol="e1")
     checked = simulate(options, stop_at_first=False)

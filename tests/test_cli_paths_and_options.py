@@ -1,7 +1,7 @@
 """What a command is told to write and to run, refused when it starts (exit 2,
 naming the option), and files written whole or not at all: the defects an
 outside audit of the command line found, as a class (`sim.commands.paths`,
-`sim.runner.OPTION_LIMITS`)."""
+`sim.simulator.runner.OPTION_LIMITS`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from sim.cli import main
 from sim.commands.options import validate_options
 from sim.commands.paths import written_whole
-from sim.minimize import options_from_trace
-from sim.runner import OPTION_LIMITS, SimOptions
+from sim.simulator.runner import OPTION_LIMITS, SimOptions
+from sim.traces.minimize import options_from_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -375,7 +375,7 @@ def test_a_workload_is_read_only_as_far_as_the_run_takes(tmp_path: Path) -> None
     its limit never reaches it, one that reads everything refuses it."""
     import gzip
 
-    from sim.workloads import WorkloadError, fast25
+    from kvstate.workloads import WorkloadError, fast25
 
     rows = [json.dumps({"timestamp": 10 * i, "input_length": 64, "output_length": 4,
                         "hash_ids": [i]}) for i in range(9)]

@@ -18,7 +18,8 @@ import json
 import pytest
 
 from sim.cli import main
-from sim.modelcheck import SCOPES, check
+from sim.explore.modelcheck.model import SCOPES
+from sim.explore.modelcheck.search import check
 
 pytestmark = pytest.mark.slow
 
@@ -52,10 +53,10 @@ def test_a_local_instance_listens_on_loopback_only() -> None:
     """``--ray local`` is private to this machine. Ray on its own replaces
     127.0.0.1 by the machine's routable address and listened on every
     interface (its control store, raylet, workers): this failed before
-    `sim.cluster.loopback`."""
+    `sim.explore.cluster.loopback`."""
     import psutil
 
-    from sim.cluster import Cluster
+    from sim.explore.cluster import Cluster
 
     with Cluster("local") as cluster:
         assert [n["NodeManagerAddress"] for n in cluster.ray.nodes()] == ["127.0.0.1"]
@@ -78,7 +79,7 @@ def two_nodes():
     node, one CPU each, on loopback."""
     from ray.cluster_utils import Cluster as RayCluster
 
-    from sim.cluster import loopback
+    from sim.explore.cluster import loopback
 
     with loopback():
         nodes = RayCluster(initialize_head=True, head_node_args={
@@ -92,7 +93,7 @@ def two_nodes():
 
 
 def test_joining_a_cluster_uses_its_nodes_and_leaves_it_running(two_nodes) -> None:
-    from sim.cluster import Cluster
+    from sim.explore.cluster import Cluster
 
     with Cluster(two_nodes) as cluster:
         assert cluster.started and cluster.cpus == 2
@@ -105,8 +106,8 @@ def test_joining_a_cluster_uses_its_nodes_and_leaves_it_running(two_nodes) -> No
 
 
 def test_a_campaign_on_two_nodes_matches_one_process(two_nodes) -> None:
-    from sim.campaign import campaign, comparable
-    from sim.runner import SimOptions
+    from sim.explore.campaign import campaign, comparable
+    from sim.simulator.runner import SimOptions
 
     base = SimOptions(requests=24)
     alone = campaign("e1", seeds=4, base=base)
@@ -117,8 +118,8 @@ def test_a_campaign_on_two_nodes_matches_one_process(two_nodes) -> None:
 def test_the_model_checker_on_two_nodes_matches_one_process(two_nodes, tmp_path) -> None:
     """One actor per CPU, so one actor on each node; the counterexample is
     written by the driver and replays."""
-    from sim.cluster import Cluster
-    from sim.replay import replay_trace
+    from sim.explore.cluster import Cluster
+    from sim.traces.replay import replay_trace
 
     alone = check(SCOPES["default"], "kvstate", out_dir=None)
     buggy = check(SCOPES["twins"], "save-on-loading-step", out_dir=None)
@@ -157,8 +158,8 @@ def test_the_model_checker_survives_its_actors_dying(two_nodes, monkeypatch) -> 
     again with nothing it was told: the same states, transitions and verdict
     as one process. Before actors were restartable this raised
     RayActorError."""
-    import sim.mc_compact as mc
-    from sim.cluster import Cluster
+    import sim.explore.modelcheck.compact as mc
+    from sim.explore.cluster import Cluster
 
     kills = []
 
@@ -178,7 +179,7 @@ def test_the_model_checker_survives_its_actors_dying(two_nodes, monkeypatch) -> 
 
 
 def test_an_actor_that_keeps_dying_is_a_clear_error(two_nodes, monkeypatch, capsys) -> None:
-    import sim.mc_compact as mc
+    import sim.explore.modelcheck.compact as mc
 
     class Doomed(mc._RayPool):
         def expand(self, level, visited, expander):
@@ -193,8 +194,8 @@ def test_an_actor_that_keeps_dying_is_a_clear_error(two_nodes, monkeypatch, caps
 
 
 def test_bench_campaign_measures_the_cluster_on_the_same_seeds(two_nodes) -> None:
-    from sim.bench import bench_campaign
-    from sim.cluster import Cluster
+    from sim.bench.campaign import bench_campaign
+    from sim.explore.cluster import Cluster
 
     figures = bench_campaign(seeds=2, protocol="e1", workers=[1],
                              connect=lambda: Cluster(two_nodes))
@@ -206,10 +207,10 @@ def test_bench_campaign_measures_the_cluster_on_the_same_seeds(two_nodes) -> Non
 def test_workers_forked_beside_ray_end_quietly(capfd) -> None:
     """A campaign's worker processes forked after Ray started here inherit
     Ray's crash handler; ended by their pool (SIGTERM), each printed a stack
-    dump until workers took their signals back (`sim.workers`)."""
-    from sim.campaign import campaign
-    from sim.cluster import Cluster
-    from sim.runner import SimOptions
+    dump until workers took their signals back (`sim.explore.workers`)."""
+    from sim.explore.campaign import campaign
+    from sim.explore.cluster import Cluster
+    from sim.simulator.runner import SimOptions
 
     with Cluster("local"):
         for _ in range(3):  # the dump came from most pools' ends, not every one
@@ -223,15 +224,15 @@ def test_a_cluster_running_other_code_is_refused(two_nodes, monkeypatch, capsys)
     """Every node is asked what it imports; a node with other sources would
     fold its findings into this process's result. Here this process
     pretends to run other code than the nodes (which import the files)."""
-    import sim.cluster
+    import sim.explore.cluster
 
-    real = sim.cluster.node_code()
-    assert real[0] == sim.cluster.code_fingerprint() and len(real[0]) == 16
+    real = sim.explore.cluster.node_code()
+    assert real[0] == sim.explore.cluster.code_fingerprint() and len(real[0]) == 16
     # Only this process's fingerprint: the probe runs `node_code` on the
     # nodes, where the files decide.
-    monkeypatch.setattr(sim.cluster, "code_fingerprint", lambda: "0" * 16)
+    monkeypatch.setattr(sim.explore.cluster, "code_fingerprint", lambda: "0" * 16)
     with pytest.raises(RuntimeError) as e:
-        sim.cluster.Cluster(two_nodes)
+        sim.explore.cluster.Cluster(two_nodes)
     message = str(e.value)
     assert message.count("node 127.0.0.1 runs sources " + real[0]) == 2  # both nodes named
     assert "Install this kvstate on every node" in message
@@ -244,7 +245,7 @@ def test_local_starts_its_own_instance_beside_a_running_cluster(two_nodes) -> No
     """``local`` means private: with ``ray.init()``'s default address it
     joined the cluster already running on this machine (here the two-node
     one) and used its nodes."""
-    from sim.cluster import Cluster
+    from sim.explore.cluster import Cluster
 
     def alive(cluster) -> set[str]:
         return {n["NodeID"] for n in cluster.ray.nodes() if n["Alive"]}
@@ -311,7 +312,7 @@ def growing(tmp_path, monkeypatch):
     own sources."""
     from ray.cluster_utils import Cluster as RayCluster
 
-    from sim.cluster import loopback
+    from sim.explore.cluster import loopback
 
     here = tmp_path / "driver"
     here.mkdir()
@@ -335,10 +336,10 @@ def test_a_node_that_joins_later_with_other_code_is_refused(growing, tmp_path, c
     """The node joined after the connection's check, so only the tasks'
     and actors' own check sees it. Before it, the campaign folded the other
     code's findings in, and the model checker counted its states."""
-    from sim.bench import bench_tools
-    from sim.campaign import campaign
-    from sim.cluster import Cluster, ClusterError
-    from sim.runner import SimOptions
+    from sim.bench.tools import bench_tools
+    from sim.explore.campaign import campaign
+    from sim.explore.cluster import Cluster, ClusterError
+    from sim.simulator.runner import SimOptions
 
     address, add = growing
     with Cluster(address) as cluster:  # only the head: it passes the check
@@ -361,9 +362,9 @@ def test_a_node_that_joins_later_with_other_code_is_refused(growing, tmp_path, c
 def test_a_node_that_cannot_import_kvstate_is_named(growing, tmp_path) -> None:
     """At the connection's check (the probe's error) and, for a node that
     joins after it, from the task that could not start there."""
-    from sim.campaign import campaign
-    from sim.cluster import Cluster, ClusterError
-    from sim.runner import SimOptions
+    from sim.explore.campaign import campaign
+    from sim.explore.cluster import Cluster, ClusterError
+    from sim.simulator.runner import SimOptions
 
     address, add = growing
     broken = _other_sources(tmp_path / "broken",
@@ -384,9 +385,9 @@ def test_a_node_that_cannot_import_kvstate_is_named(growing, tmp_path) -> None:
 def test_a_node_with_the_same_code_that_joins_later_is_used(growing, tmp_path) -> None:
     """The check refuses only other code: a node with this checkout's
     sources (a copy, so its own files) runs the campaign."""
-    from sim.campaign import campaign, comparable
-    from sim.cluster import Cluster
-    from sim.runner import SimOptions
+    from sim.explore.campaign import campaign, comparable
+    from sim.explore.cluster import Cluster
+    from sim.simulator.runner import SimOptions
 
     address, add = growing
     base = SimOptions(requests=24)
@@ -403,8 +404,8 @@ def test_a_search_stopped_on_the_cluster_goes_on_here_and_back(two_nodes, tmp_pa
     the cluster, to the answer of a search that never stopped."""
     import itertools
 
-    from sim.cluster import Cluster
-    from sim.mc_checkpoint import load
+    from sim.explore.cluster import Cluster
+    from sim.explore.modelcheck.checkpoint import load
 
     def after(merges):
         asked = itertools.count()
@@ -428,9 +429,9 @@ def test_bench_tools_on_two_nodes_matches_one_process(two_nodes, tmp_path) -> No
     """A variant's row as a task on the cluster: the same findings as here,
     and its counterexample traces land in this process's ``out_dir`` (the
     node wrote them in a scratch directory of its own) and replay."""
-    from sim.bench import bench_tools
-    from sim.cluster import Cluster
-    from sim.replay import replay_trace
+    from sim.bench.tools import bench_tools
+    from sim.explore.cluster import Cluster
+    from sim.traces.replay import replay_trace
 
     def findings(rows):
         return {name: {tool: {k: v for k, v in row[tool].items()

@@ -1,4 +1,4 @@
-"""``kvstate diagram MACHINE --svg OUT.svg [--coverage TRACE...]`` (`sim.diagram_svg`):
+"""``kvstate diagram MACHINE --svg OUT.svg [--coverage TRACE...]`` (`sim.pictures.diagram_svg`):
 an SVG state diagram drawn from the table, coloured by the transitions traces fired."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import sim.extras
 from kvstate.tables import MACHINES, MACHINES_BY_NAME
 from sim.cli import main
-from sim.coverage import trace_coverage
-from sim.runner import SimOptions, simulate
+from sim.simulator.runner import SimOptions, simulate
+from sim.traces.coverage import trace_coverage
 
 pytest.importorskip("matplotlib")
 
-from sim.diagram_svg import COVERED, NEVER, NOT_APPLICABLE  # noqa: E402
+from sim.pictures.diagram_svg import COVERED, NEVER, NOT_APPLICABLE  # noqa: E402
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -60,8 +60,8 @@ def outputs(result: dict, wave: int = 0) -> dict[str, list[list[int]]]:
 
 
 def assert_trace_checks_and_replays(trace: str) -> None:
-    from sim.check import check_trace
-    from sim.replay import replay_trace
+    from sim.traces.check import check_trace
+    from sim.traces.replay import replay_trace
 
     checked = check_trace(trace)
     assert checked.ok, checked.violations[:3]
@@ -328,8 +328,8 @@ def test_upstreams_connector_observed_in_the_engine_checks_and_replays_under_e2(
     clean and replay identically through kvstate's ``e2`` (upstream's rules)."""
     import json
 
-    from sim.check import check_trace
-    from sim.replay import replay_trace
+    from sim.traces.check import check_trace
+    from sim.traces.replay import replay_trace
 
     deployment = start_deployment(tmp_path, model)
     try:
@@ -510,7 +510,7 @@ def test_an_engine_killed_mid_run_leaves_a_trace_of_every_step_it_ended(
     import json
 
     from adapters.vllm.engine import EngineFailed
-    from sim.check import check_trace
+    from sim.traces.check import check_trace
 
     requests = [EngineRequest(f"d{i}", prompt(70 + 5 * i, 90 + i), 40) for i in range(3)]
     deployment = start_deployment(tmp_path, model)

@@ -8,8 +8,8 @@ from hypothesis.errors import Flaky
 
 from kvstate.testing import ConnectorMachine
 from kvstate.variants import VARIANTS
-from sim.fuzz import CI_EXAMPLES, CI_STEPS, machine_for
-from sim.replay import replay_trace
+from sim.explore.fuzz import CI_EXAMPLES, CI_STEPS, machine_for
+from sim.traces.replay import replay_trace
 
 CI = settings(max_examples=CI_EXAMPLES, stateful_step_count=CI_STEPS, derandomize=True,
               deadline=None, suppress_health_check=list(HealthCheck), print_blob=False)
@@ -43,11 +43,11 @@ def test_fuzzer_finds_the_variant_and_writes_a_replayable_trace(variant, tmp_pat
 
 def test_a_fuzz_run_leaves_one_trace_the_shrunk_one(tmp_path, monkeypatch) -> None:
     """Shrinking runs many failing programs, and the machine writes a trace
-    for each (dozens); `sim.fuzz.fuzz` keeps only the one it reports, and
+    for each (dozens); `sim.explore.fuzz.fuzz` keeps only the one it reports, and
     leaves ``KVSTATE_FUZZ_DIR`` as it found it."""
     import os
 
-    from sim.fuzz import fuzz
+    from sim.explore.fuzz import fuzz
 
     monkeypatch.delenv("KVSTATE_FUZZ_DIR", raising=False)
     r = fuzz("e1", budget=float("inf"), examples=CI_EXAMPLES, steps=CI_STEPS,
@@ -81,7 +81,7 @@ def test_ci_profile_finds_the_variants_own_bug(variant: str, tmp_path) -> None:
     invariants are checked, so an E2-based mutant is not credited with e2's
     bugs."""
     from kvstate.invariants import broken_by
-    from sim.fuzz import fuzz_ci
+    from sim.explore.fuzz import fuzz_ci
 
     own = broken_by(variant)
     r = fuzz_ci(variant, out_dir=str(tmp_path), only=own)

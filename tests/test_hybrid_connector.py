@@ -76,8 +76,8 @@ class Engines:
         return rig
 
     def close(self) -> None:
-        from sim.check import check_trace
-        from sim.replay import replay_trace
+        from sim.traces.check import check_trace
+        from sim.traces.replay import replay_trace
 
         for rig in self.rigs:
             rig.close()

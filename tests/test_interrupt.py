@@ -87,8 +87,9 @@ def test_ctrl_c_stops_a_model_check_keeps_what_it_found_and_it_goes_on(
     130; ``--resume`` finishes it with the figures of a search never
     interrupted."""
     from sim.cli import main
-    from sim.mc_checkpoint import load
-    from sim.modelcheck import SCOPES, check
+    from sim.explore.modelcheck.checkpoint import load
+    from sim.explore.modelcheck.model import SCOPES
+    from sim.explore.modelcheck.search import check
 
     path = str(tmp_path / "c.ckpt")
     proc = _kvstate("modelcheck", "--scope", "decode2", "--workers", "2", "--checkpoint", path,

@@ -16,8 +16,8 @@ import attrs
 
 from kvstate.observations import Allocated, LookupDone, StepScheduled
 from kvstate.scenarios import SCENARIOS
-from sim.check import check_trace
-from sim.replay import replay_trace
+from sim.traces.check import check_trace
+from sim.traces.replay import replay_trace
 
 
 def admissions(harness, req_id: str) -> list[tuple[int, int]]:

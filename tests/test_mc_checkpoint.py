@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from sim.cli import main
-from sim.mc_checkpoint import DIGEST_BYTES, FORMAT, MAGIC, CheckpointError, load
-from sim.modelcheck import SCOPES, check
+from sim.explore.modelcheck.checkpoint import DIGEST_BYTES, FORMAT, MAGIC, CheckpointError, load
+from sim.explore.modelcheck.model import SCOPES
+from sim.explore.modelcheck.search import check
 
 
 def _after(merges: int):
@@ -72,8 +73,8 @@ def test_checkpoints_are_written_as_levels_end(tmp_path) -> None:
 
 
 def test_a_checkpoint_of_other_code_or_another_search_is_refused(tmp_path, monkeypatch) -> None:
-    import sim.cluster
-    from sim.mc_checkpoint import require_same
+    import sim.explore.cluster
+    from sim.explore.modelcheck.checkpoint import require_same
 
     path = str(tmp_path / "o.ckpt")
     check(SCOPES["tiny"], "kvstate", out_dir=None, max_states=5, checkpoint=path)
@@ -82,7 +83,7 @@ def test_a_checkpoint_of_other_code_or_another_search_is_refused(tmp_path, monke
         require_same(saved, path, SCOPES["default"], "kvstate", True, None)
     with pytest.raises(CheckpointError, match="protocol 'kvstate', not 'e2'"):
         require_same(saved, path, SCOPES["tiny"], "e2", True, None)
-    monkeypatch.setattr(sim.cluster, "code_fingerprint", lambda: "0" * 16)
+    monkeypatch.setattr(sim.explore.cluster, "code_fingerprint", lambda: "0" * 16)
     with pytest.raises(CheckpointError, match="written by other kvstate code"):
         load(path)
 
@@ -243,8 +244,8 @@ def test_a_search_whose_levels_go_to_disk_ends_as_one_in_memory(tmp_path, monkey
     """Every level past a byte of pickled states lives in a temporary file;
     stopped, checkpointed and resumed with its levels on disk, with one and
     two workers, the search ends as it does in memory."""
-    import sim.mc_frontier
-    from sim.mc_frontier import Frontier
+    import sim.explore.modelcheck.frontier
+    from sim.explore.modelcheck.frontier import Frontier
 
     whole = check(SCOPES["default"], "kvstate", out_dir=None)
     spilled = []
@@ -255,7 +256,7 @@ def test_a_search_whose_levels_go_to_disk_ends_as_one_in_memory(tmp_path, monkey
         if self.spilled and self not in spilled:
             spilled.append(self)
 
-    monkeypatch.setattr(sim.mc_frontier, "SPILL_BYTES", 1)
+    monkeypatch.setattr(sim.explore.modelcheck.frontier, "SPILL_BYTES", 1)
     monkeypatch.setattr(Frontier, "append", watched)
     pieces, runs = _in_pieces("default", "kvstate", str(tmp_path / "disk.ckpt"), 400)
     assert runs > 2 and len(spilled) > 10
@@ -264,7 +265,7 @@ def test_a_search_whose_levels_go_to_disk_ends_as_one_in_memory(tmp_path, monkey
 
 
 def test_a_frontier_keeps_its_order_across_memory_and_disk(tmp_path) -> None:
-    from sim.mc_frontier import Frontier
+    from sim.explore.modelcheck.frontier import Frontier
 
     states = [(i.to_bytes(2, "big") * 8, bytes([i % 251]) * (i * 37 % 500)) for i in range(300)]
     for limit in (10**9, 5_000, 0):

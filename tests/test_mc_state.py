@@ -1,4 +1,4 @@
-"""The compact engine's stored states (`sim.mc_state`): what every state of a
+"""The compact engine's stored states (`sim.explore.modelcheck.state`): what every state of a
 search shares is written once as a reference to the search's initial state,
 and a loaded state is still, field for field, the state that was stored."""
 
@@ -12,10 +12,12 @@ import sys
 
 import pytest
 
-from sim import mc_compact, mc_state
-from sim.mc_compact import check_compact, fast_digest
-from sim.mc_state import SharedStateChanged, _fields, codec_for
-from sim.modelcheck import SCOPES, _symmetric, apply, check, enabled, random_walk
+from sim.explore.modelcheck import compact as mc_compact
+from sim.explore.modelcheck import state as mc_state
+from sim.explore.modelcheck.compact import check_compact, fast_digest
+from sim.explore.modelcheck.model import SCOPES, _symmetric, apply, enabled, random_walk
+from sim.explore.modelcheck.search import check
+from sim.explore.modelcheck.state import SharedStateChanged, _fields, codec_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -211,9 +213,9 @@ def test_a_state_stored_here_loads_in_another_process() -> None:
     blob = codec.dumps(s)
     program = (
         "import sys, pickle\n"
-        "from sim.modelcheck import SCOPES\n"
-        "from sim.mc_state import codec_for\n"
-        "from sim.mc_compact import fast_digest\n"
+        "from sim.explore.modelcheck.model import SCOPES\n"
+        "from sim.explore.modelcheck.state import codec_for\n"
+        "from sim.explore.modelcheck.compact import fast_digest\n"
         "codec = codec_for(SCOPES['decode2'], 'kvstate', True, None)\n"
         "s = codec.loads(sys.stdin.buffer.read())\n"
         "assert s.h.config is codec.template.h.config\n"

@@ -1,4 +1,4 @@
-"""The model checker's packed visited table (`sim.mc_visited`) behaves as the
+"""The model checker's packed visited table (`sim.explore.modelcheck.visited`) behaves as the
 dict of key -> (parent key, action) and the key list it replaced."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.mc_visited import START_SLOTS, KeySet, Visited
-from sim.modelcheck import path_to
+from sim.explore.modelcheck.model import path_to
+from sim.explore.modelcheck.visited import START_SLOTS, KeySet, Visited
 
 ACTIONS = [("step",), ("rank", 0, "ok"), ("rank", 1, "-200"), ("evict", "k"), ("quiesce",)]
 

@@ -15,8 +15,8 @@ import pytest
 
 from kvstate.variants import VARIANTS
 from sim.cli import main
-from sim.minimize import minimize
-from sim.runner import SimOptions, build_configs
+from sim.simulator.runner import SimOptions, build_configs
+from sim.traces.minimize import minimize
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "kvstate"])

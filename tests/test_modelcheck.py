@@ -11,21 +11,21 @@ import pytest
 from kvstate.coverage import Coverage, recording
 from kvstate.tables import JOB, JobEvent, JobState
 from kvstate.variants import VARIANTS
-from sim.campaign import comparable
-from sim.check import check_trace
 from sim.cli import main
-from sim.modelcheck import (
+from sim.explore.campaign import comparable
+from sim.explore.modelcheck.model import (
     SCOPES,
     Scope,
     ScopeRequest,
     apply,
-    check,
     enabled,
     initial,
     random_walk,
     replay_actions,
 )
-from sim.replay import replay_trace
+from sim.explore.modelcheck.search import check
+from sim.traces.check import check_trace
+from sim.traces.replay import replay_trace
 
 TINY = SCOPES["tiny"]
 # Two interchangeable requests on one rank: small enough for an unreduced run.
@@ -94,7 +94,7 @@ def test_reductions_keep_the_verdict_and_shrink_the_state_space(protocol: str) -
 
 
 def test_symmetric_requests_merge_states() -> None:
-    from sim.modelcheck import _symmetric
+    from sim.explore.modelcheck.model import _symmetric
 
     assert _symmetric(TWINS_ONE_RANK) == {0, 1}
     assert _symmetric(REUSE) == set()  # a reused id is not interchangeable
@@ -137,7 +137,7 @@ def test_a_parallel_search_records_the_tables_its_workers_fired(monkeypatch) -> 
     driver expands nothing itself, as on a Ray cluster. Before, its table
     (and the "never fired" list after an exhaustive run) held only what this
     process expanded: on a cluster, the narrow first levels."""
-    import sim.mc_compact as mc
+    import sim.explore.modelcheck.compact as mc
 
     alone = Coverage()
     with recording(alone):
@@ -289,7 +289,7 @@ def test_bench_tools_fills_a_variants_row(tmp_path, capsys) -> None:
 def test_bench_tools_gives_the_same_rows_with_two_workers(tmp_path) -> None:
     """The per-variant tool table across processes: same variants in the same
     order, same findings and counterexample lengths as one process."""
-    from sim.bench import bench_tools
+    from sim.bench.tools import bench_tools
 
     def findings(report):
         return [(name, [(tool, row[tool]["found"], row[tool].get("length"))
@@ -362,8 +362,8 @@ def test_compact_engine_counterexample_with_workers_replays(tmp_path) -> None:
 def test_the_compact_digest_writes_the_legacy_bytes_on_random_walks() -> None:
     """Same digest, byte for byte: the compact engine merges exactly the
     states the legacy one merges (its reductions, its soundness argument)."""
-    from sim.mc_compact import fast_digest
-    from sim.modelcheck import digest
+    from sim.explore.modelcheck.compact import fast_digest
+    from sim.explore.modelcheck.model import digest
 
     for name, seed, s in _walks(seeds=4):
         assert fast_digest(s) == digest(s), (name, seed)
@@ -381,7 +381,7 @@ def _walks(seeds: int, steps: int = 40):
 def _scramble_end_only_fields(s, rng) -> None:
     """Overwrite every field the digest leaves out as read by `Monitor.end`
     alone (and the observation number) with garbage of the same type."""
-    from sim.modelcheck import END_ONLY_FIELDS
+    from sim.explore.modelcheck.model import END_ONLY_FIELDS
 
     monitor = s.h.monitor
     monitor.index = type(monitor.index)(rng.randrange(10**6))
@@ -435,7 +435,7 @@ def _verdicts_with_and_without_scrambling(scope: Scope, protocol: str, seed: int
 
 def _digest_after(scope: Scope, actions: list) -> bytes:
     """The digest of the state ``actions`` (each enabled in turn) reach."""
-    from sim.modelcheck import _symmetric, digest
+    from sim.explore.modelcheck.model import _symmetric, digest
 
     s = initial(scope, "kvstate")
     for action in actions:
@@ -459,7 +459,7 @@ def test_the_order_in_which_two_ranks_check_a_job_is_one_state() -> None:
 @pytest.mark.parametrize("protocol", list(VARIANTS))
 def test_fields_the_digest_leaves_out_decide_no_verdict(protocol: str) -> None:
     """The digest leaves out the monitor's step bookkeeping and observation
-    number (sim/modelcheck.py, "What only the end of a trace reads"): sound
+    number (sim/explore/modelcheck/model.py, "What only the end of a trace reads"): sound
     only while no checker but `Monitor.end` reads them. Random walks on every
     scope, each action taken twice, once with those fields scrambled: the
     findings must be the same, message for message."""
@@ -497,7 +497,8 @@ def test_state_counts_do_not_depend_on_the_string_hash_seed() -> None:
     import subprocess
     import sys
 
-    code = ("from sim.modelcheck import SCOPES, check\n"
+    code = ("from sim.explore.modelcheck.model import SCOPES\n"
+            "from sim.explore.modelcheck.search import check\n"
             "print(check(SCOPES['twins'], 'kvstate', out_dir=None).states)")
     counts = set()
     for seed in ("0", "8"):
@@ -515,8 +516,8 @@ def test_no_set_of_strings_or_tuples_reaches_the_digest_unordered() -> None:
     counts depend on the hash seed again. Random walks on every scope, every set checked."""
     import io
 
-    from sim.mc_compact import FastCanonicalPickler
-    from sim.modelcheck import _constants
+    from sim.explore.modelcheck.compact import FastCanonicalPickler
+    from sim.explore.modelcheck.model import _constants
 
     class Spy(FastCanonicalPickler):
         unordered: list = []
@@ -548,7 +549,7 @@ _ORDER_READ_ELSEWHERE = {
     ("kvstate/testing.py", "objects", "ConnectorMachine.evict"),
     # the simulator's capacity-bounded store (a subclass: the digest picks
     # UNORDERED_FIELDS by exact type, so its dict is written in order)
-    ("sim/store.py", "objects", "SimStore.evict_oldest"),
+    ("sim/simulator/store.py", "objects", "SimStore.evict_oldest"),
 }
 
 
@@ -603,7 +604,7 @@ def test_no_code_reads_the_order_of_a_dict_the_digest_sorts() -> None:
     read an order are the three listed (none run by the model checker)."""
     from pathlib import Path
 
-    from sim.modelcheck import UNORDERED_FIELDS
+    from sim.explore.modelcheck.model import UNORDERED_FIELDS
 
     root = Path(__file__).resolve().parent.parent
     fields = {name for names in UNORDERED_FIELDS.values() for name in names}
@@ -633,7 +634,7 @@ class Store:
 
 
 def _shuffle_unordered_dicts(s, rng) -> None:
-    from sim.modelcheck import UNORDERED_FIELDS
+    from sim.explore.modelcheck.model import UNORDERED_FIELDS
 
     for obj in (s.h.store, s.h.monitor):
         for name in UNORDERED_FIELDS.get(type(obj), ()):
@@ -645,7 +646,7 @@ def _shuffle_unordered_dicts(s, rng) -> None:
 def _futures_with_dicts_shuffled(scope: Scope, seed: int) -> list:
     """A random walk; before each action a copy gets its order-free dicts
     shuffled; the action's findings and the digest after must not differ."""
-    from sim.modelcheck import _symmetric, digest
+    from sim.explore.modelcheck.model import _symmetric, digest
 
     symmetric = _symmetric(scope)
     differences = []
@@ -712,18 +713,18 @@ def test_the_legacy_loop_refuses_workers_rather_than_ignoring_them(capsys) -> No
     (["--engine", "legacy"], 1),
 ])
 def test_modelcheck_uses_every_core_unless_told(monkeypatch, capsys, argv, expected) -> None:
-    import sim.mc_compact
-    import sim.modelcheck
+    import sim.explore.modelcheck.compact
+    import sim.explore.modelcheck.search
 
-    monkeypatch.setattr(sim.mc_compact, "default_workers", lambda: 3)
+    monkeypatch.setattr(sim.explore.modelcheck.compact, "default_workers", lambda: 3)
     used = []
-    real = sim.modelcheck.check
+    real = sim.explore.modelcheck.search.check
 
     def spy(*args, **kwargs):
         used.append(kwargs["workers"])
         return real(*args, **{**kwargs, "workers": 1})
 
-    monkeypatch.setattr(sim.modelcheck, "check", spy)
+    monkeypatch.setattr(sim.explore.modelcheck.search, "check", spy)
     assert main(["modelcheck", "--scope", "tiny", "--json", *argv]) == 0
     assert used == [expected]
     capsys.readouterr()
@@ -733,16 +734,16 @@ def test_workers_start_only_when_a_level_is_wide_enough_to_share(monkeypatch) ->
     """Every core is the default: on a machine with many, a small scope must
     not fork a process per core (a level narrower than two states a worker is
     expanded inline), and the answer is the one-process answer."""
-    import sim.mc_compact
+    import sim.explore.modelcheck.compact
 
     started = []
-    real = sim.mc_compact._Pool
+    real = sim.explore.modelcheck.compact._Pool
 
     def spy(workers, *args):
         started.append(workers)
         return real(workers, *args)
 
-    monkeypatch.setattr(sim.mc_compact, "_Pool", spy)
+    monkeypatch.setattr(sim.explore.modelcheck.compact, "_Pool", spy)
     many = check(TINY, "kvstate", out_dir=None, workers=1000)
     assert started == [] and many.workers == 1
     assert many.outcome == check(TINY, "kvstate", out_dir=None).outcome
@@ -772,7 +773,7 @@ def test_compact_engine_leaves_the_garbage_collector_as_it_found_it() -> None:
 
 
 def test_bench_modelcheck_reports_both_engines_on_the_same_states() -> None:
-    from sim.bench import bench_modelcheck
+    from sim.bench.modelcheck import bench_modelcheck
 
     figures = bench_modelcheck("tiny", max_states=300, workers=[2])
     # The cap is checked between expansions: the last state expanded may add
@@ -786,7 +787,7 @@ def test_bench_modelcheck_reports_both_engines_on_the_same_states() -> None:
 
 
 def test_a_timed_expander_explores_the_same_states() -> None:
-    from sim.mc_compact import TimedExpander, check_compact
+    from sim.explore.modelcheck.compact import TimedExpander, check_compact
 
     timed = TimedExpander(TINY, "kvstate", True, None)
     r = check_compact(TINY, "kvstate", out_dir=None, expander=timed)
@@ -801,7 +802,7 @@ def test_a_timed_expander_explores_the_same_states() -> None:
 # does not depend on the number of workers.
 
 def _small():
-    from sim.runner import SimOptions
+    from sim.simulator.runner import SimOptions
 
     return SimOptions(requests=24)
 
@@ -809,7 +810,7 @@ def _small():
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["kvstate", "e1"])
 def test_campaign_result_is_the_same_for_any_number_of_workers(protocol: str) -> None:
-    from sim.campaign import campaign
+    from sim.explore.campaign import campaign
 
     one = campaign(protocol, seeds=6, base=_small(), workers=1)
     two = campaign(protocol, seeds=6, base=_small(), workers=2)
@@ -820,7 +821,7 @@ def test_campaign_result_is_the_same_for_any_number_of_workers(protocol: str) ->
 
 
 def test_a_parallel_campaign_stops_at_the_same_seed_as_a_sequential_one() -> None:
-    from sim.campaign import campaign
+    from sim.explore.campaign import campaign
 
     one = campaign("e1", seeds=8, base=_small(), workers=1, stop_when_found=True)
     three = campaign("e1", seeds=8, base=_small(), workers=3, stop_when_found=True)
@@ -835,7 +836,7 @@ def test_the_invariants_one_seed_broke_share_one_fold_time() -> None:
     or S1 at 25,347) depended on the machine's speed."""
     import itertools
 
-    from sim.campaign import campaign
+    from sim.explore.campaign import campaign
 
     ticks = itertools.count()  # a clock that moves 10 ms every time it is read
     result = campaign("e1", seeds=1, base=_small(), clock=lambda: next(ticks) * 0.01)
@@ -845,8 +846,8 @@ def test_the_invariants_one_seed_broke_share_one_fold_time() -> None:
 
 def test_a_campaign_counts_the_observations_of_the_seeds_it_folded() -> None:
     """What a campaign costs is its runs' length: the sum over its seeds."""
-    from sim.campaign import campaign, seed_options
-    from sim.runner import simulate
+    from sim.explore.campaign import campaign, seed_options
+    from sim.simulator.runner import simulate
 
     result = campaign("kvstate", seeds=2, base=_small())
     each = [simulate(seed_options(_small(), "kvstate", seed, ("both", "pd")),
@@ -857,7 +858,7 @@ def test_a_campaign_counts_the_observations_of_the_seeds_it_folded() -> None:
 
 @pytest.mark.slow
 def test_bench_campaign_sizes_the_issue_campaign_from_its_own_run() -> None:
-    from sim.bench import SIZING_OBSERVATIONS, SIZING_SEEDS, bench_campaign
+    from sim.bench.campaign import SIZING_OBSERVATIONS, SIZING_SEEDS, bench_campaign
 
     figures = bench_campaign(seeds=2, workers=[1])
     per_cpu_s = figures["observations_per_seed"] / figures["cpu_s_per_seed_w1"]
@@ -889,7 +890,7 @@ def test_campaign_ray_without_ray_is_a_usage_error(capsys, monkeypatch) -> None:
 @pytest.mark.slow
 def test_campaign_on_a_local_ray_instance_matches_local_workers() -> None:
     pytest.importorskip("ray")
-    from sim.campaign import campaign
+    from sim.explore.campaign import campaign
 
     local = campaign("e1", seeds=4, base=_small(), workers=1)
     ray = campaign("e1", seeds=4, base=_small(), ray_address="local")
@@ -901,7 +902,7 @@ def test_an_exception_in_a_worker_reaches_the_parent(monkeypatch) -> None:
     parent with the worker's traceback (not a bare broken pipe)."""
     import os
 
-    import sim.mc_compact as mc
+    import sim.explore.modelcheck.compact as mc
 
     parent = os.getpid()
     real = mc.apply
@@ -942,9 +943,9 @@ def test_a_copy_of_the_scope_explores_the_same_states(name: str) -> None:
 def test_spawned_workers_count_what_one_process_counts(monkeypatch) -> None:
     """Where fork is missing, `_Pool` spawns its workers: a fresh
     interpreter that imports everything again and unpickles the scope."""
-    import sim.mc_compact
+    import sim.explore.modelcheck.compact
 
-    monkeypatch.setattr(sim.mc_compact.multiprocessing, "get_all_start_methods",
+    monkeypatch.setattr(sim.explore.modelcheck.compact.multiprocessing, "get_all_start_methods",
                         lambda: ["spawn"])
     spawned = check(SCOPES["default"], "kvstate", out_dir=None, workers=2)
     assert spawned.workers == 2
@@ -976,7 +977,7 @@ def test_modelcheck_on_a_local_ray_instance_matches_one_process(tmp_path) -> Non
     verdicts and shortest counterexamples as one process, for an actor per
     CPU and for more actors than the cluster has CPUs."""
     pytest.importorskip("ray")
-    from sim.cluster import Cluster
+    from sim.explore.cluster import Cluster
 
     alone = check(SCOPES["default"], "kvstate", out_dir=None)
     buggy = check(SCOPES["twins"], "save-on-loading-step", out_dir=None)
@@ -1008,8 +1009,8 @@ def test_bench_tools_on_a_local_ray_instance_gives_the_same_rows(tmp_path) -> No
     """A row per Ray task, in variant order; the model checker's trace is
     written where the task ran and lands in ``out_dir`` here."""
     pytest.importorskip("ray")
-    from sim.bench import bench_tools
-    from sim.cluster import Cluster
+    from sim.bench.tools import bench_tools
+    from sim.explore.cluster import Cluster
 
     names = ["e1", "e0"]
     here = tmp_path / "here"

@@ -24,11 +24,11 @@ from kvstate.contract import ANNOTATION_RECORDS, GENERATION_FIELDS, observed_lay
 from kvstate.keys import block_hash
 from kvstate.trace import TraceReader
 from kvstate.variants import VARIANTS
-from sim.check import check_trace
 from sim.cli import main
-from sim.observed import write_observed
-from sim.replay import replay_trace
-from sim.runner import SimOptions, simulate
+from sim.simulator.runner import SimOptions, simulate
+from sim.traces.check import check_trace
+from sim.traces.observed import write_observed
+from sim.traces.replay import replay_trace
 
 BS = 4
 WORLD = 2

@@ -24,8 +24,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("mooncake.store")
 
 from adapters.master import Master  # noqa: E402
-from sim.check import check_trace  # noqa: E402
-from sim.replay import replay_trace  # noqa: E402
+from sim.traces.check import check_trace  # noqa: E402
+from sim.traces.replay import replay_trace  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

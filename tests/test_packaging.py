@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 
 import sim.extras
+from kvstate.workloads import DEFAULT_FAST25, WorkloadError, fast25, read_mooncake
 from sim.cli import main
-from sim.runner import DEFAULT_FAST25, SimOptions, simulate
-from sim.workloads import WorkloadError, fast25, read_mooncake
+from sim.simulator.runner import SimOptions, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_FAST25 = ROOT.parent / "shared" / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
 
 
 def test_fast25_trace_is_package_data_with_its_licence() -> None:
-    assert DEFAULT_FAST25.is_relative_to(ROOT / "sim")
+    assert DEFAULT_FAST25.is_relative_to(ROOT / "kvstate")
     assert DEFAULT_FAST25.suffix == ".gz"
     data = DEFAULT_FAST25.parent
     notice = (data / "README.md").read_text()
@@ -151,8 +151,8 @@ def test_wheel_runs_documented_commands_outside_the_repository(tmp_path: Path) -
                    check=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "wheel").glob("kvstate-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("kvstate/py.typed", "sim/data/mooncake_fast25_conversation.jsonl.gz",
-                   "sim/data/README.md", "sim/data/LICENSE-Apache-2.0.txt"):
+    for needed in ("kvstate/py.typed", "kvstate/data/mooncake_fast25_conversation.jsonl.gz",
+                   "kvstate/data/README.md", "kvstate/data/LICENSE-Apache-2.0.txt"):
         assert needed in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

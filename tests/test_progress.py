@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-import sim.campaign
 import sim.commands.progress as progress
+import sim.explore.campaign
 from sim.cli import main
 from sim.commands.progress import NullBar, PlainBar, print_table, progress_for
-from sim.runner import SimOptions
+from sim.simulator.runner import SimOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -66,7 +66,7 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def small_campaign(monkeypatch: pytest.MonkeyPatch) -> None:
     """The campaign command's seeds on a 24-request workload (fast)."""
-    monkeypatch.setattr(sim.campaign, "SimOptions", lambda: SimOptions(requests=24))
+    monkeypatch.setattr(sim.explore.campaign, "SimOptions", lambda: SimOptions(requests=24))
 
 
 def steady(out: str) -> str:
@@ -208,11 +208,11 @@ def test_every_long_command_takes_no_progress(command: str) -> None:
     assert build_parser().parse_args([command, "--no-progress"]).no_progress
 
 
-# The hooks in sim.campaign and sim.fuzz.
+# The hooks in sim.explore.campaign and sim.explore.fuzz.
 
 def test_campaign_reports_each_seed_and_stops_cleanly_on_ctrl_c() -> None:
     seen: list[Any] = []
-    result = sim.campaign.campaign("kvstate", seeds=2, base=SimOptions(requests=24),
+    result = sim.explore.campaign.campaign("kvstate", seeds=2, base=SimOptions(requests=24),
                                    on_seed=seen.append)
     assert [p.runs for p in seen] == [1, 2] and result.runs == 2
     assert seen[-1].protocol == "kvstate" and seen[-1].found == ()
@@ -220,14 +220,14 @@ def test_campaign_reports_each_seed_and_stops_cleanly_on_ctrl_c() -> None:
     def interrupt(p: Any) -> None:
         raise KeyboardInterrupt
 
-    result = sim.campaign.campaign("kvstate", seeds=3, base=SimOptions(requests=24),
+    result = sim.explore.campaign.campaign("kvstate", seeds=3, base=SimOptions(requests=24),
                                    on_seed=interrupt)
     assert result.interrupted and result.runs == 1
 
 
 def test_fuzz_reports_each_program_and_still_finds(tmp_path: Path) -> None:
     pytest.importorskip("hypothesis")
-    from sim.fuzz import fuzz
+    from sim.explore.fuzz import fuzz
 
     seen: list[Any] = []
     clean = fuzz("kvstate", budget=float("inf"), examples=10, steps=10, derandomize=True,
@@ -287,10 +287,10 @@ def test_ctrl_c_in_a_watched_campaign_reports_and_exits_130(
 @pytest.mark.slow
 def test_modelcheck_shows_the_checkers_reports(capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    import sim.modelcheck
+    import sim.explore.modelcheck.search
 
     watch(monkeypatch)
-    real_check = sim.modelcheck.check
+    real_check = sim.explore.modelcheck.search.check
     hooks: list[Any] = []
 
     def check(*a: Any, progress: Any = None, **kw: Any) -> Any:
@@ -299,7 +299,7 @@ def test_modelcheck_shows_the_checkers_reports(capsys: pytest.CaptureFixture[str
             progress(SimpleNamespace(states=1234, transitions=2000, depth=5, seconds=2.0))
         return real_check(*a, **kw)
 
-    monkeypatch.setattr(sim.modelcheck, "check", check)
+    monkeypatch.setattr(sim.explore.modelcheck.search, "check", check)
     argv = ["modelcheck", "--scope", "tiny", "--max-states", "5000"]
     assert main([*argv, "--json"]) == 0
     quiet = capsys.readouterr()

@@ -66,9 +66,9 @@ def test_own_classes_fit_the_protocols() -> None:
     assert isinstance(MemoryStore(), StoreProtocol)
     import random
 
-    from sim.faults import Faults
-    from sim.kernel import Kernel
-    from sim.store import SimStore
+    from sim.simulator.faults import Faults
+    from sim.simulator.kernel import Kernel
+    from sim.simulator.store import SimStore
     sim_store = SimStore(Kernel(0), Faults(random.Random(0)), 8, lambda key: None)
     assert isinstance(sim_store, StoreProtocol)
     for variant in VARIANTS.values():

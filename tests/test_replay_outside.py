@@ -21,9 +21,9 @@ import attrs
 import pytest
 
 from sim.cli import main
-from sim.observed import write_observed
-from sim.replay import replay_trace
-from sim.runner import SimOptions, simulate
+from sim.simulator.runner import SimOptions, simulate
+from sim.traces.observed import write_observed
+from sim.traces.replay import replay_trace
 
 Lines = list[dict[str, Any]]
 RUN = SimOptions(requests=20, faults=())  # preemptions, decode saves, failed puts

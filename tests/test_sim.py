@@ -13,17 +13,17 @@ import jsonschema
 import pytest
 
 from kvstate.variants import VARIANTS
-from sim.campaign import campaign
-from sim.check import check_trace
+from kvstate.workloads import fast25, fast25_tokens, synthetic
 from sim.cli import main
-from sim.faults import SITES
-from sim.minimize import minimize
-from sim.replay import replay_trace
-from sim.runner import DEFAULT_FAST25, SimOptions, simulate
-from sim.workloads import fast25, fast25_tokens, synthetic
+from sim.explore.campaign import campaign
+from sim.simulator.faults import SITES
+from sim.simulator.runner import DEFAULT_FAST25, SimOptions, simulate
+from sim.traces.check import check_trace
+from sim.traces.minimize import minimize
+from sim.traces.replay import replay_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST25 = DEFAULT_FAST25  # the packaged trace (sim/data)
+FAST25 = DEFAULT_FAST25  # the packaged trace (kvstate/data)
 SMALL = SimOptions(requests=60)
 
 
@@ -217,7 +217,7 @@ def test_router_counts_orphans_and_prefix_hits() -> None:
 
 def test_trace_coverage_replays_every_machine_and_colours_the_diagram(capsys) -> None:
     from kvstate.tables import JOB, PIN, JobEvent, JobState, PinEvent, PinState
-    from sim.coverage import trace_coverage
+    from sim.traces.coverage import trace_coverage
 
     cov = trace_coverage(SCENARIO_TRACES)
     job = cov.pairs(JOB)

@@ -19,8 +19,8 @@ pytest.importorskip("mooncake.store")
 from adapters.master import Master  # noqa: E402
 from adapters.vllm import chaos  # noqa: E402
 from adapters.vllm.rig import tiny_model_dir  # noqa: E402
-from sim.check import check_trace  # noqa: E402
-from sim.replay import replay_trace  # noqa: E402
+from sim.traces.check import check_trace  # noqa: E402
+from sim.traces.replay import replay_trace  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.mooncake]
 

@@ -1,6 +1,6 @@
 """The simulated store fails the way Mooncake's store does.
 
-Each new fault site of `sim.faults` as a scenario: first the store alone
+Each new fault site of `sim.simulator.faults` as a scenario: first the store alone
 keeping its contract (a restart loses every object and takes puts right
 after; a get whose lease ran out answers -707; a put whose client went
 silent after its PutStart holds the key for 30 s, then a put preempts it),
@@ -18,15 +18,15 @@ from collections.abc import Collection, Sequence
 
 import pytest
 
-import sim.runner
+import sim.simulator.runner
 from kvstate.config import ConnectorConfig
 from kvstate.harness import Harness
 from kvstate.observations import KeyEvicted, LoadDone
 from kvstate.scenarios import prompt
-from sim.faults import SITES, Faults
-from sim.kernel import Kernel
-from sim.runner import SimOptions, simulate
-from sim.store import (
+from sim.simulator.faults import SITES, Faults
+from sim.simulator.kernel import Kernel
+from sim.simulator.runner import SimOptions, simulate
+from sim.simulator.store import (
     GET_CODES,
     LEASE_EXPIRED,
     OBJECT_NOT_FOUND,
@@ -331,7 +331,7 @@ def swarm(monkeypatch: pytest.MonkeyPatch, rates: dict[str, float]) -> None:
         faults.rates = dict(rates)
         return faults
 
-    monkeypatch.setattr(sim.runner, "Faults", fixed)
+    monkeypatch.setattr(sim.simulator.runner, "Faults", fixed)
 
 
 @pytest.mark.parametrize("site", NEW_SITES)

@@ -1019,7 +1019,7 @@ def test_check_reads_the_same_with_and_without_the_fast_decoder(tmp_path: Path, 
 
 
 def test_bench_check_reports_every_parser_and_the_ratios(tmp_path: Path) -> None:
-    from sim.bench import bench_check
+    from sim.bench.check import bench_check
 
     figures = bench_check(path=str(write(tmp_path / "t.jsonl", fixture())), repeats=1)
     assert figures["check_ok"] and figures["lines"] == len(fixture()) - 1
@@ -1231,7 +1231,7 @@ def test_the_default_liveness_bound_is_the_checkers() -> None:
 
     from kvstate.contract import DEFAULT_LIVENESS_STEPS
     from kvstate.invariants import Monitor
-    from sim.check import DEFAULT_LIVENESS_STEPS as CHECK_DEFAULT
+    from sim.traces.check import DEFAULT_LIVENESS_STEPS as CHECK_DEFAULT
 
     finish = inspect.signature(Monitor.finish).parameters["liveness_steps"].default
     assert DEFAULT_LIVENESS_STEPS == CHECK_DEFAULT == finish
@@ -1261,8 +1261,8 @@ def _fired(tmp_path: Path, invariant: str) -> tuple[set[str], set[str]]:
     liveness bound of one step, so a short trace's end counts)."""
     from kvstate.invariants import INVARIANTS
     from kvstate.scenarios import run as run_scenario
-    from sim.check import check_trace
-    from sim.observed import write_observed
+    from sim.traces.check import check_trace
+    from sim.traces.observed import write_observed
 
     inv = INVARIANTS[invariant]
     full = tmp_path / "full.jsonl"

@@ -23,8 +23,8 @@ pytest.importorskip("torch")
 
 from adapters.master import Master  # noqa: E402
 from adapters.vllm.rig import Rig, make_vllm_config, tiny_model_dir  # noqa: E402
-from sim.check import check_trace  # noqa: E402
-from sim.replay import replay_trace  # noqa: E402
+from sim.traces.check import check_trace  # noqa: E402
+from sim.traces.replay import replay_trace  # noqa: E402
 
 BS = 16
 

@@ -19,10 +19,10 @@ from kvstate.invariants import Monitor
 from kvstate.keys import HashChain
 from kvstate.observations import Settled
 from kvstate.records import Settlement
+from kvstate.workloads import FAST25_BLOCK, Remap, WorkloadError, fast25, read_mooncake
 from sim.cli import main
-from sim.engine import SimEngine
-from sim.runner import SimOptions, simulate
-from sim.workloads import FAST25_BLOCK, Remap, WorkloadError, fast25, read_mooncake
+from sim.simulator.engine import SimEngine
+from sim.simulator.runner import SimOptions, simulate
 
 GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 20, "hash_ids": [0, 1]}
 
@@ -239,7 +239,7 @@ def test_a_liveness_failure_says_the_protocol_stalled() -> None:
 
 
 def test_traces_record_the_new_options_and_minimize_reads_them_back(tmp_path: Path) -> None:
-    from sim.minimize import options_from_trace
+    from sim.traces.minimize import options_from_trace
 
     path = _oversized_trace(tmp_path)
     options = SimOptions(workload="fast25", fast25_path=str(path), requests=3, scale=1000,
@@ -292,7 +292,7 @@ def test_a_resumed_generation_does_not_republish_what_is_published() -> None:
     assert max(counts.values()) == 1, "a chunk was published again at a resumption"
     assert not h.monitor.findings  # K4/S15/S16 and settlement stay green
     # Parents still precede children for a consumer that rejects orphans.
-    from sim.consumer import RadixConsumer
+    from sim.simulator.consumer import RadixConsumer
     consumer = RadixConsumer()
     assert all(consumer.accept(e) for e in h.published) and consumer.orphans == 0
     # What the quorum remembered for the request is gone once it finished.
@@ -441,7 +441,8 @@ def test_the_model_checker_explores_the_two_group_scope_exhaustively(tmp_path: P
     striding, one fault): the default protocol stays silent; the hash-keyed
     quorum published a full-attention orphan 5 actions in; e2, which counts
     by value and never orders, does too."""
-    from sim.modelcheck import SCOPES, check
+    from sim.explore.modelcheck.model import SCOPES
+    from sim.explore.modelcheck.search import check
 
     clean = check(SCOPES["hybrid"], "kvstate", out_dir=str(tmp_path))
     assert clean.exhaustive and clean.violation is None
@@ -455,7 +456,7 @@ def test_the_hypothesis_hybrid_profiles_are_clean_for_the_default_protocol(
         profile: str, tmp_path: Path) -> None:
     """The CI profile's fixed programs in the hybrid engine shapes (with
     striding, the hash-keyed quorum broke K4 in its first program)."""
-    from sim.fuzz import CI_EXAMPLES, CI_STEPS, fuzz
+    from sim.explore.fuzz import CI_EXAMPLES, CI_STEPS, fuzz
 
     result = fuzz("kvstate", budget=float("inf"), examples=CI_EXAMPLES, steps=CI_STEPS,
                   out_dir=str(tmp_path), profile=profile, derandomize=True)

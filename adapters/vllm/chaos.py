@@ -183,7 +183,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as workdir:
             model_dir = tiny_model_dir(os.path.join(workdir, "model"))
             figures = run(master, model_dir, workdir)
-            from sim.check import check_trace
+            from sim.traces.check import check_trace
 
             figures["traces_ok"] = [check_trace(t).ok for t in figures.pop("traces")]
             print(json.dumps(figures), flush=True)

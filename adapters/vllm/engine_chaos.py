@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         model = make_model_with(python, Path(workdir) / "model")
         with Deployment(workdir, model, python=python) as deployment:
             figures = run(deployment, workdir, args.connector)
-        from sim.check import check_trace
+        from sim.traces.check import check_trace
 
         trace = figures.pop("trace")
         if trace is not None:

@@ -65,7 +65,7 @@ def step_ms(result: dict[str, Any]) -> float:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from sim.check import check_trace
+    from sim.traces.check import check_trace
 
     from .deployment import Deployment
 

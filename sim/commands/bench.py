@@ -60,7 +60,9 @@ def _bench_engine(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.bench import bench_core, bench_memory, bench_sim, format_report, ratio_lines
+    from sim.bench.core import bench_core, format_report, ratio_lines
+    from sim.bench.memory import bench_memory
+    from sim.bench.simulation import bench_sim
 
     parts = set(args.part or ["core", "sim"])
     report: dict[str, Any] = {}
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             print("peak memory of FAST'25 runs (fresh process each, scale 512):")
             print(table([[k, str(v)] for k, v in memory.items()]))
     if "variants" in parts:
-        from sim.bench import bench_variants
+        from sim.bench.variants import bench_variants
 
         variants = bench_variants(trials=2 if args.quick else 5, budget=10 if args.quick else 60)
         report["variants"] = variants
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                              str(row.get("median_seconds_to_find", "-"))])
             print(table(rows))
     if "tools" in parts:
-        from sim.bench import bench_tools, format_tools
+        from sim.bench.tools import bench_tools, format_tools
 
         output_dir(args.out_dir, "--out-dir")
 
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print("\n" + format_tools(tools))
     if "modelcheck" in parts:
-        from sim.bench import bench_modelcheck
+        from sim.bench.modelcheck import bench_modelcheck
 
         report["modelcheck"] = bench_modelcheck(
             "tiny" if args.quick else "default", max_states=None if args.quick else 15_000)
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             print("model checker, kvstate: legacy vs compact engine (same states, same run):")
             print(table([[k, str(v)] for k, v in report["modelcheck"].items()]))
     if "campaign" in parts:
-        from sim.bench import bench_campaign
+        from sim.bench.campaign import bench_campaign
 
         report["campaign"] = bench_campaign(
             seeds=4 if args.quick else 16,
@@ -139,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{' and on the Ray cluster' if args.ray else ''} (same seeds):")
             print(table([[k, str(v)] for k, v in report["campaign"].items()]))
     if "check" in parts:
-        from sim.bench import bench_check
+        from sim.bench.check import bench_check
 
         report["check"] = bench_check(requests=80 if args.quick else 400)
         if not args.json:
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if "engine" in parts:
         report["engine"] = _bench_engine(args)
     if "hypothesis" in parts:
-        from sim.bench import bench_hypothesis
+        from sim.bench.stateful import bench_hypothesis
 
         report["hypothesis"] = bench_hypothesis(examples=20 if args.quick else 100)
         if not args.json:

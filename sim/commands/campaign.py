@@ -21,7 +21,7 @@ from sim.commands.progress import Bar, add_progress_option, print_table, progres
 
 
 def _on_seed(args: argparse.Namespace, bar: Bar) -> Any:
-    def show(p: Any) -> None:  # a sim.campaign.CampaignProgress
+    def show(p: Any) -> None:  # a sim.explore.campaign.CampaignProgress
         found = ",".join(p.found) or "nothing"
         if args.seeds is not None:
             bar.update(completed=p.runs, found=found)
@@ -33,7 +33,7 @@ def _on_seed(args: argparse.Namespace, bar: Bar) -> Any:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from sim.campaign import campaign, summary
+    from sim.explore.campaign import campaign, summary
 
     if args.seeds is not None and args.budget is not None:
         raise UsageError(f"--seeds {args.seeds} and --budget {args.budget:g}: a campaign runs "

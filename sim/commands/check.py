@@ -13,7 +13,7 @@ from sim.commands.output import envelope
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from sim.check import check_trace
+    from sim.traces.check import check_trace
 
     started = time.perf_counter()
     result = check_trace(args.trace, liveness_steps=args.liveness_steps, at_end=args.at_end)

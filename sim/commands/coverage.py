@@ -12,7 +12,7 @@ from sim.commands.output import envelope
 
 def run(args: argparse.Namespace) -> int:
     from kvstate.coverage import format_table, summarize
-    from sim.coverage import trace_coverage
+    from sim.traces.coverage import trace_coverage
 
     rows = summarize(trace_coverage(args.traces))
     if args.json:

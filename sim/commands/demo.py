@@ -11,7 +11,7 @@ from sim.commands.output import envelope, table
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.demo import run_demo
+    from sim.simulator.demo import run_demo
 
     results = [run_demo(p) for p in [args.protocol, *args.compare]]
     ok = results[0]["ok"]

@@ -31,7 +31,7 @@ examples_arg = _at_most(MAX_EXAMPLES)
 
 
 def _on_example(args: argparse.Namespace, bar: Bar) -> Any:
-    def show(e: Any) -> None:  # a sim.fuzz.FuzzProgress, after every program
+    def show(e: Any) -> None:  # a sim.explore.fuzz.FuzzProgress, after every program
         bar.update(completed=min(e.seconds, args.budget), round=e.rounds, programs=e.examples)
     return show
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     require("hypothesis", "kvstate fuzz")
     output_dir(args.out_dir, "--out-dir")
     from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
-    from sim.fuzz import fuzz
+    from sim.explore.fuzz import fuzz
 
     cov = Coverage()
     results = []

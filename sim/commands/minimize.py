@@ -16,8 +16,8 @@ def run(args: argparse.Namespace) -> int:
     import attrs
 
     from kvstate.invariants import INVARIANTS
-    from sim.minimize import NothingToMinimize, minimize, options_from_trace
-    from sim.runner import SimOptions, simulate
+    from sim.simulator.runner import SimOptions, simulate
+    from sim.traces.minimize import NothingToMinimize, minimize, options_from_trace
 
     output_file(args.out, "--out")
     if args.invariant is not None and args.invariant not in INVARIANTS:

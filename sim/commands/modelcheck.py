@@ -38,7 +38,7 @@ def _bar_total(args: argparse.Namespace) -> tuple[float | None, str]:
 def _on_report(args: argparse.Namespace, bar: Bar) -> Any:
     unit = _bar_total(args)[1]
 
-    def show(r: Any) -> None:  # a sim.modelcheck.Result, every ~5 s
+    def show(r: Any) -> None:  # a sim.explore.modelcheck.model.Result, every ~5 s
         rate = f"{r.states / r.seconds:,.0f} states/s" if r.seconds else None
         if unit == "s":
             bar.update(completed=min(r.seconds, args.budget), states=f"{r.states:,}",
@@ -75,7 +75,7 @@ def _first_ctrl_c_stops() -> Iterator[Callable[[], bool]]:
 
 def _resumed(args: argparse.Namespace) -> Any:
     """The checkpoint ``--resume`` names, checked against the other options."""
-    from sim.mc_checkpoint import CheckpointError, load
+    from sim.explore.modelcheck.checkpoint import CheckpointError, load
 
     if args.engine == "legacy":
         raise UsageError("--resume needs the compact engine; the legacy loop keeps no "
@@ -103,7 +103,7 @@ def _goes_on(r: Any, checkpoint: str | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.modelcheck import SCOPES
+    from sim.explore.modelcheck.model import SCOPES
 
     output_dir(args.out_dir, "--out-dir")
     resume = _resumed(args) if args.resume is not None else None
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         elif cluster is not None:
             workers = cluster.cpus  # an actor per CPU of the cluster
         else:
-            from sim.mc_compact import default_workers
+            from sim.explore.modelcheck.compact import default_workers
 
             workers = default_workers() if args.engine == "compact" else 1
         if args.engine == "legacy":  # no stop to ask: Ctrl-C interrupts at once
@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
 def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str], workers: int,
                cluster: Any, resume: Any, stop: Callable[[], bool] | None) -> int:
     from kvstate.coverage import Coverage, format_table, never_fired, recording, summarize
-    from sim.modelcheck import SCOPES, check, format_action
+    from sim.explore.modelcheck.model import SCOPES, format_action
+    from sim.explore.modelcheck.search import check
 
     runs = []
     cov = Coverage()
@@ -229,7 +230,7 @@ def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str],
 def register(sub: Any) -> None:
     parser = sub.add_parser("modelcheck", help="exhaustive breadth-first model checking of a "
                         "small scope; shortest counterexample as a trace")
-    from sim.modelcheck import SCOPES  # the help lists the scopes that exist
+    from sim.explore.modelcheck.model import SCOPES  # the help lists the scopes that exist
 
     parser.add_argument("--scope", default=None,
                         help=f"{', '.join(SCOPES)}, or all (default: default, or the "

@@ -89,7 +89,7 @@ def positive_float(text: str) -> float:
 
 
 def faults_arg(text: str) -> tuple[str, ...]:
-    from sim.faults import SITES
+    from sim.simulator.faults import SITES
 
     if text in ("all", ""):
         return tuple(SITES)
@@ -108,7 +108,7 @@ def faults_arg(text: str) -> tuple[str, ...]:
 
 
 def groups_arg(text: str) -> tuple[str, ...]:
-    from sim.runner import parse_groups
+    from sim.simulator.runner import parse_groups
 
     groups = tuple(t.strip() for t in text.split(","))
     try:
@@ -119,7 +119,7 @@ def groups_arg(text: str) -> tuple[str, ...]:
 
 
 def add_sim_options(parser: argparse.ArgumentParser) -> None:
-    from sim.runner import SimOptions
+    from sim.simulator.runner import SimOptions
 
     d = SimOptions()
     group = parser.add_argument_group("simulation")
@@ -163,7 +163,7 @@ def add_sim_options(parser: argparse.ArgumentParser) -> None:
 def options_from(args: argparse.Namespace) -> Any:
     import attrs
 
-    from sim.runner import SimOptions
+    from sim.simulator.runner import SimOptions
 
     values = {f.name: getattr(args, f.name) for f in attrs.fields(SimOptions)
               if hasattr(args, f.name)}
@@ -173,9 +173,9 @@ def options_from(args: argparse.Namespace) -> Any:
 def validate_options(options: Any) -> None:
     """Refuse options `kvstate minimize` would refuse in the run's trace, or
     configs the trace reader would refuse: what ``sim`` runs, the rest of the
-    tools take (`sim.runner.OPTION_LIMITS`, `kvstate.trace.LIMITS`)."""
+    tools take (`sim.simulator.runner.OPTION_LIMITS`, `kvstate.trace.LIMITS`)."""
     from kvstate.trace.codec import TraceError, check_limits
-    from sim.runner import OPTION_LIMITS, build_configs, out_of_range
+    from sim.simulator.runner import OPTION_LIMITS, build_configs, out_of_range
 
     for name in OPTION_LIMITS:
         value = getattr(options, name)
@@ -195,7 +195,7 @@ def validate_options(options: Any) -> None:
     if options.fast25_path and options.workload != "fast25":
         raise UsageError(f"--fast25-path {options.fast25_path}: only read with --workload "
                          "fast25 (the workload is synthetic)")
-    from sim.engine import kv_capacity_tokens
+    from sim.simulator.engine import kv_capacity_tokens
 
     capacity = kv_capacity_tokens(options.num_blocks, options.block_size, len(options.groups))
     if options.max_model_len > capacity:
@@ -218,16 +218,16 @@ def add_protocols(parser: argparse.ArgumentParser, *, budget: bool = True) -> No
 
 @contextlib.contextmanager
 def ray_cluster(address: str | None) -> Iterator[Any]:
-    """The ``--ray ADDRESS`` connection (`sim.cluster.Cluster`, one for the
+    """The ``--ray ADDRESS`` connection (`sim.explore.cluster.Cluster`, one for the
     whole command), or ``None`` without the option. The cluster's own
-    failures (`sim.cluster.ClusterError`: Ray missing, no cluster at the
+    failures (`sim.explore.cluster.ClusterError`: Ray missing, no cluster at the
     address, a node with other code, an actor lost), when connecting or
     while the command runs, are usage errors (exit 2) that say which;
     anything else the command raises is its own, with its traceback."""
     if address is None:
         yield None
         return
-    from sim.cluster import Cluster, ClusterError
+    from sim.explore.cluster import Cluster, ClusterError
 
     try:
         cluster = Cluster(address)

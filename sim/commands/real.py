@@ -18,7 +18,7 @@ REAL_KV_BYTES = 1 << 30
 REAL_BLOCK_BYTES_PER_TOKEN = 2 * 16 * 2  # heads x head_dim x float16
 REAL_LAYERS, REAL_BLOCKS = 2, 128 + 1
 REAL_MAX_SEGMENT_MIB = 1 << 16
-REAL_MAX_REQUESTS = 100_000  # the simulator's bound (sim.runner.OPTION_LIMITS)
+REAL_MAX_REQUESTS = 100_000  # the simulator's bound (sim.simulator.runner.OPTION_LIMITS)
 REAL_MAX_TIMEOUT = 3600.0  # seconds; beyond it a socket timeout overflows
 # A store call shorter than a millisecond cannot succeed (a loopback round
 # trip is ~0.1 ms before any bytes move): the connector's bound too

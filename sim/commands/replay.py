@@ -10,7 +10,7 @@ from sim.commands.output import envelope
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.replay import replay_trace
+    from sim.traces.replay import replay_trace
 
     result = replay_trace(args.trace, protocol=args.protocol)
     d = result.divergence

@@ -13,7 +13,7 @@ from sim.commands.progress import add_progress_option, progress_for
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.runner import simulate
+    from sim.simulator.runner import simulate
 
     options = options_from(args)
     validate_options(options)

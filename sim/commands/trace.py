@@ -18,7 +18,7 @@ def _same_file(a: str, b: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     from sim.commands.errors import UsageError
     from sim.commands.paths import output_file, written_whole
-    from sim.observed import write_observed
+    from sim.traces.observed import write_observed
 
     if args.output in (None, "-"):
         cut = write_observed(args.trace, sys.stdout)

@@ -10,7 +10,7 @@ when the engine model itself still holds requests it could not finish (the
 protocol's leftovers then belong to those requests), ``protocol`` when every
 request finished and the protocol still did not settle.
 
-Admission (``sim.engine``): requests vLLM would refuse (prompt plus max
+Admission (``sim.simulator.engine``): requests vLLM would refuse (prompt plus max
 tokens over ``max_model_len``, or more than the KV cache holds) are counted in
 ``rejected`` and never enter an engine.
 
@@ -50,22 +50,19 @@ from kvstate.observations import KeyEvicted, Observation, Planned, PutDone, Sett
 from kvstate.records import NULL_BLOCK_ID
 from kvstate.trace import encode_header, encode_observation
 from kvstate.variants import get_variant, with_plugins
-from sim.consumer import RadixConsumer
-from sim.engine import SimEngine
-from sim.faults import SITES, Faults
-from sim.kernel import Kernel
-from sim.store import SimStore
-from sim.workloads import Arrival, fast25, synthetic
+from kvstate.workloads import DEFAULT_FAST25, Arrival, fast25, synthetic
+from sim.simulator.consumer import RadixConsumer
+from sim.simulator.engine import SimEngine
+from sim.simulator.faults import SITES, Faults
+from sim.simulator.kernel import Kernel
+from sim.simulator.store import SimStore
 
-# The Mooncake FAST'25 conversation trace, shipped gzip-compressed (sim/data/README.md:
-# source and licence).
-DEFAULT_FAST25 = Path(__file__).resolve().parent / "data" / "mooncake_fast25_conversation.jsonl.gz"
 WINDOW = 4000  # observations kept for a violation's causal window
 
 
 # The range of every numeric option (`SimOptions`). `kvstate sim` refuses a
 # value outside it (`sim.commands.options.validate_options`) and `kvstate
-# minimize` refuses it in a trace's header (`sim.minimize.options_from_trace`),
+# minimize` refuses it in a trace's header (`sim.traces.minimize.options_from_trace`),
 # so every run's reproduce command is one both take. The upper bounds keep a
 # run's work bounded (minimize re-runs a header's options up to --max-runs
 # times: a hostile header must not buy unbounded work) and its configs inside

@@ -15,7 +15,7 @@ import attrs
 
 from kvstate.invariants import Finding, Monitor
 from kvstate.trace import TraceError, TraceReader, header_none_hash
-from sim.minimize import check_header_options
+from sim.traces.minimize import check_header_options
 
 # Steps after which a job not reported, a job not released or a pin not
 # released counts as stuck where a trace ends (a header's "liveness_steps" or

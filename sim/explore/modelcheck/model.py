@@ -70,11 +70,11 @@ Breadth-first order makes the first violation found a shortest one; it is
 replayed on a recording harness and written as a kvstate trace that
 ``kvstate replay`` and ``kvstate check`` accept.
 
-Two engines run this search. ``compact`` (the default, `sim.mc_compact`)
+Two engines run this search. ``compact`` (the default, `sim.explore.modelcheck.compact`)
 expands the frontier a level at a time, optionally in worker processes, cuts
 each used copy's reference cycles instead of leaving them to the cyclic
 collector, and writes the digest below byte for byte with a faster pickler;
-``legacy`` is the original loop (`_check_legacy`). They visit the same states
+``legacy`` is the original loop (`sim.explore.modelcheck.search`). They visit the same states
 in the same order: `tests/test_modelcheck.py` compares their verdicts, state
 and transition counts and counterexamples on every scope and variant. The
 renamings above, and so their soundness, are the same for both.
@@ -86,9 +86,8 @@ import hashlib
 import io
 import pickle
 import sys
-import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -103,7 +102,6 @@ from kvstate.ledger import CounterLedger, GenerationLedger, RequestIdLedger
 from kvstate.memory_store import MemoryStore, StoreRaised
 from kvstate.planner import Planner
 from kvstate.records import PutCall
-from kvstate.variants import get_variant
 
 # ---------------------------------------------------------------------------
 # Tagged values the canonical pickler renames.
@@ -601,7 +599,7 @@ def _constants(s: System) -> dict[int, str]:
 
 def digest(s: System, pickler: type[CanonicalPickler] | None = None) -> bytes:
     """The state's canonical digest; ``pickler``: a faster `CanonicalPickler`
-    writing the same bytes (`sim.mc_compact.FastCanonicalPickler`)."""
+    writing the same bytes (`sim.explore.modelcheck.compact.FastCanonicalPickler`)."""
     h = s.h
     buf = io.BytesIO()
     p = (pickler or CanonicalPickler)(buf, _constants(s), UNORDERED_FIELDS)
@@ -669,113 +667,6 @@ class Result:
         v = self.violation
         return (self.states, self.transitions, self.quiet_states, self.depth, self.exhaustive,
                 None if v is None else (v.invariant, v.actions))
-
-
-def _dumps(s: System) -> bytes:
-    return pickle.dumps(s, protocol=5)
-
-
-ENGINES = ("compact", "legacy")
-
-
-def check(scope: Scope, protocol: str = "kvstate", *, budget: float | None = None,
-          max_states: int | None = None, reduce: bool = True, out_dir: str | None = ".",
-          progress: Callable[[Result], None] | None = None,
-          only: Sequence[str] | None = None, engine: str = "compact",
-          workers: int = 1, cluster: Any = None, stop: Callable[[], bool] | None = None,
-          checkpoint: str | None = None, checkpoint_every: float = 300.0,
-          resume: Any = None) -> Result:
-    """Explore ``scope`` under ``protocol`` breadth-first; stop at the first
-    violation (which is then a shortest one), when every reachable state was
-    visited, or when ``budget`` seconds / ``max_states`` run out.
-
-    ``engine``: ``compact`` (`sim.mc_compact`: level-synchronous, no cyclic
-    garbage, ``workers`` processes expanding the frontier) or ``legacy`` (the
-    original loop, kept for the differential test: both must agree on
-    verdicts, state counts and counterexample lengths). ``cluster``: a
-    `sim.cluster.Cluster` (compact engine): the ``workers`` are Ray actors
-    there, the same answer again. ``stop``, ``checkpoint``,
-    ``checkpoint_every`` and ``resume`` (a `sim.mc_checkpoint.Checkpoint`):
-    a search that stops and goes on, compact engine only (`check_compact`)."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown model-checker engine {engine!r}; known: {', '.join(ENGINES)}")
-    if engine == "legacy" and (workers != 1 or cluster is not None):
-        what = f"workers={workers}" if workers != 1 else "a Ray cluster"
-        raise ValueError(f"{what} needs the compact engine (the legacy loop runs in one "
-                         "process)")
-    if engine == "legacy" and (stop or checkpoint or resume):
-        raise ValueError("stopping, checkpoints and resuming need the compact engine")
-    if engine == "compact":
-        from sim.mc_compact import check_compact
-
-        return check_compact(scope, protocol, budget=budget, max_states=max_states,
-                             reduce=reduce, out_dir=out_dir, progress=progress, only=only,
-                             workers=workers, cluster=cluster, stop=stop,
-                             checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                             resume=resume)
-    return _check_legacy(scope, protocol, budget=budget, max_states=max_states, reduce=reduce,
-                         out_dir=out_dir, progress=progress, only=only)
-
-
-def _check_legacy(scope: Scope, protocol: str = "kvstate", *, budget: float | None = None,
-                  max_states: int | None = None, reduce: bool = True,
-                  out_dir: str | None = ".", progress: Callable[[Result], None] | None = None,
-                  only: Sequence[str] | None = None) -> Result:
-    get_variant(protocol)  # a clear error for an unknown name, before any work
-    symmetric = _symmetric(scope) if reduce else set()
-    result = Result(scope.name, protocol)
-    start = initial(scope, protocol, reduce=reduce, only=only)
-    key = _key(start, reduce)
-    parents: dict[bytes, tuple[bytes, Action] | None] = {key: None}
-    frontier: deque[tuple[bytes, bytes, int]] = deque([(key, _dumps(start), 0)])
-    started = time.perf_counter()
-    last_report = started
-    while frontier:
-        if budget is not None and time.perf_counter() - started > budget:
-            break
-        if max_states is not None and len(parents) >= max_states:
-            break
-        key, blob, depth = frontier.popleft()
-        result.depth = max(result.depth, depth)
-        s = pickle.loads(blob)
-        actions = enabled(scope, s)
-        moved = False
-        for n, action in enumerate(actions):
-            if n:
-                s = pickle.loads(blob)
-            s.h.monitor.findings.clear()
-            apply(scope, s, action, symmetric)
-            result.transitions += 1
-            if s.h.monitor.findings:
-                result.violation = _violation(scope, protocol, parents, key, action, s,
-                                              out_dir)
-                break
-            child = _key(s, reduce)
-            if child != key:
-                moved = True
-            if child not in parents:
-                parents[child] = (key, action)
-                frontier.append((child, _dumps(s), depth + 1))
-        if result.violation is not None:
-            break
-        if not moved:
-            # Nothing left but no-op steps: the liveness check at quiescence.
-            result.quiet_states += 1
-            s = pickle.loads(blob)
-            s.h.monitor.findings.clear()
-            s.h.quiesce()
-            if s.h.monitor.findings:
-                result.violation = _violation(scope, protocol, parents, key, ("quiesce",), s,
-                                              out_dir)
-                break
-        if progress is not None and time.perf_counter() - last_report > 5:
-            last_report = time.perf_counter()
-            result.states, result.seconds = len(parents), last_report - started
-            progress(result)
-    result.states = len(parents)
-    result.seconds = time.perf_counter() - started
-    result.exhaustive = not frontier and result.violation is None
-    return result
 
 
 def _key(s: System, reduce: bool) -> bytes:
@@ -849,4 +740,4 @@ def format_action(action: Action) -> str:
     return " ".join(map(str, action))
 
 
-__all__ = ["SCOPES", "BlockId", "Result", "Scope", "ScopeRequest", "check", "digest"]
+__all__ = ["SCOPES", "BlockId", "Result", "Scope", "ScopeRequest", "digest"]

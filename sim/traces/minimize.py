@@ -25,8 +25,15 @@ import attrs
 
 from kvstate.trace import TraceError, TraceReader
 from kvstate.variants import VARIANTS, is_variant
-from sim.faults import SITES
-from sim.runner import SimOptions, SimResult, build_configs, out_of_range, parse_groups, simulate
+from sim.simulator.faults import SITES
+from sim.simulator.runner import (
+    SimOptions,
+    SimResult,
+    build_configs,
+    out_of_range,
+    parse_groups,
+    simulate,
+)
 
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "setup": ("both", "pd"), "workload": ("synthetic", "fast25"),

@@ -65,7 +65,7 @@ from kvstate.records import (
 from kvstate.tables import IllegalTransition
 from kvstate.trace import NO_ABSENT, TraceError, TraceReader
 from kvstate.variants import VARIANTS, get_variant, is_variant
-from sim.minimize import check_header_options
+from sim.traces.minimize import check_header_options
 
 _PRODUCED = (JobStarted, StateWritten, JobFinished)
 

@@ -1,6 +1,6 @@
 """A breadth-first level of the model checker, in memory or on disk.
 
-The driver of the compact engine (`sim.mc_compact`) holds two levels at a
+The driver of the compact engine (`sim.explore.modelcheck.compact`) holds two levels at a
 time: the one being expanded and the next one being found. Each state waits
 there pickled (~7 KB on ``upstream`` and ``large``), and wide scopes have
 wide levels: after a minute on two cores ``large`` had 668 MB resident, of

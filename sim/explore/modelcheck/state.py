@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A model-checker state is a whole `kvstate.harness.Harness` (engine, planner,
 one executor a rank, invariant monitor), stored between levels as a pickle
-and copied for every transition by loading it (`sim.mc_compact.Expander`).
+and copied for every transition by loading it (`sim.explore.modelcheck.compact.Expander`).
 About a third of each stored state is the same in every state of one
 search: the connector config, the protocol variant (some twenty hook
 functions, each a global to look up on every load), and the fields the
@@ -62,7 +62,7 @@ from kvstate.harness import Harness
 from kvstate.invariants import Monitor
 from kvstate.planner import Planner
 from kvstate.variants import Variant
-from sim.modelcheck import Scope, System, initial
+from sim.explore.modelcheck.model import Scope, System, initial
 
 # Per class: fields set from the config and variant at construction and
 # never rebound or changed afterwards. Leaving a field out only costs speed;
@@ -259,5 +259,5 @@ class StateCodec:
         if found:
             raise SharedStateChanged(
                 f"{', '.join(found)} changed in place during the search, but every stored "
-                f"state shares it (sim.mc_state.SHARED_FIELDS): the search's states and "
+                f"state shares it (sim.explore.modelcheck.state.SHARED_FIELDS): the search's states and "
                 f"verdict cannot be trusted; take the field out of SHARED_FIELDS")

@@ -2,7 +2,7 @@
 
 A long search is bounded by memory before time: the visited table grows with
 every state and is never let go of (the frontier goes to disk,
-`sim.mc_frontier`). Kept as Python objects, a state's entry cost ~166 bytes
+`sim.explore.modelcheck.frontier`). Kept as Python objects, a state's entry cost ~166 bytes
 in the search's process (its 16-byte key as a ``bytes`` object, 57; the dict
 entry, the (parent, action) tuple and the discovery-order list; more where
 each action is a tuple of its own) and ~91 in every worker process or Ray
@@ -17,7 +17,7 @@ same in every process: the index pickles with the keys). `Visited` adds, per
 key, the position of the key it was reached from and the number of the
 action (actions are few: an engine step, a rank's call with one of four
 answers, ...), which is all a shortest counterexample needs
-(`sim.modelcheck.path_to` walks it as it walks the dict). 16 bytes of key,
+(`sim.explore.modelcheck.model.path_to` walks it as it walks the dict). 16 bytes of key,
 8 to 16 of index (4-byte positions, the table between a quarter and half
 full), 8 of parent and 4 of action: ~39 bytes a state for the search, ~27
 for a worker (``kvstate bench modelcheck`` measures both, beside the dict
@@ -37,7 +37,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-# Bytes in a key: the canonical digest's size (sim.modelcheck.digest).
+# Bytes in a key: the canonical digest's size (sim.explore.modelcheck.model.digest).
 WIDTH = 16
 # Slots to start with (a power of two); doubled whenever the table would be
 # more than half full, where linear probing's expected probes stay under 2.5
@@ -135,7 +135,7 @@ class KeySet:
         self._slots, self._mask = slots, mask
 
     def nbytes(self) -> int:
-        """Bytes held by the table's buffers (what ``python -m sim.mc_visited``
+        """Bytes held by the table's buffers (what ``python -m sim.explore.modelcheck.visited``
         reports; the Python objects around them are a few hundred bytes)."""
         return len(self._keys) + self._slots.itemsize * len(self._slots)
 
@@ -159,7 +159,7 @@ class KeySet:
 class Visited(KeySet, Mapping[bytes, "tuple[bytes, Any] | None"]):
     """`KeySet` plus how each key was reached: ``visited[key]`` is None for
     the initial state, else (the parent's key, the action), as the dict it
-    replaces gave (`sim.modelcheck.path_to`)."""
+    replaces gave (`sim.explore.modelcheck.model.path_to`)."""
 
     __slots__ = ("_parents", "_action_of", "_actions", "_action_numbers")
 

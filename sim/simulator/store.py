@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 
 from kvstate.memory_store import MemoryStore, StoreRaised
 from kvstate.store_codes import StoreCode
-from sim.faults import Faults
-from sim.kernel import Kernel
+from sim.simulator.faults import Faults
+from sim.simulator.kernel import Kernel
 
 # Latencies in seconds, from loopback measurements of a real master: one
 # batch_is_exist ~0.07-0.09 ms; a 256 KiB put at 0.9 GB/s ~0.3 ms per key.

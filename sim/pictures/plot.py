@@ -13,7 +13,7 @@ engines) derives, against the trace's time ``t``:
   time bin, and the dedup hit rate (keys an existence check found present);
 - **KV events**: events published (``Settlement.published``) and orphans, i.e.
   events a Dynamo-style router that rejects unknown parents would refuse
-  (`sim.consumer.RadixConsumer`, fed the published events in trace order).
+  (`sim.simulator.consumer.RadixConsumer`, fed the published events in trace order).
 
 ``plot_trace`` returns the same figures as numbers (`PlotSummary`), so the
 command prints them and ``--json`` emits them. matplotlib is needed
@@ -33,7 +33,7 @@ from kvstate.config import GroupKind
 from kvstate.keys import parse_key
 from kvstate.records import NULL_BLOCK_ID
 from kvstate.trace import TraceReader
-from sim.consumer import RadixConsumer
+from sim.simulator.consumer import RadixConsumer
 
 MAX_POINTS = 4000  # per series: longer series keep each bucket's extremes
 BINS = 120  # time bins for the per-bin counts
@@ -263,39 +263,3 @@ def plot_trace(path: str | Path, output: str | Path, *, title: str | None = None
         skipped_jobs=len(line.skipped), exists_keys=exists_keys,
         dedup_hits=sum(p for _, _, p in line.exists),
         events_published=line.published.now, orphans=line.orphans.now)
-
-
-def command(args: Any) -> int:
-    """``kvstate plot``: checks the extra and the output before reading the trace."""
-    from sim.cli import UsageError
-    from sim.commands.paths import output_file
-    from sim.extras import require
-
-    require("matplotlib", "kvstate plot")
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    output = Path(args.output)
-    kind = output.suffix.lstrip(".").lower()
-    known = FigureCanvasBase.get_supported_filetypes()
-    if kind not in known:
-        raise UsageError(f"-o {args.output}: unknown image format {kind or '(no suffix)'!r}; "
-                         f"known: {', '.join(sorted(known))}")
-    output_file(args.output, "-o")
-    summary = plot_trace(args.trace, output, title=args.title)
-    if args.json:
-        import json
-
-        print(json.dumps({"ok": True, "violations": [], **summary.as_dict()}, sort_keys=True))
-    else:
-        print(f"{summary.output}: timeline of {summary.path} ({summary.observations} "
-              f"observations, {summary.engines} engine(s), {summary.ranks} rank(s), "
-              f"t {summary.duration:g})")
-        print(f"  pins: peak {summary.peak_pins}, {summary.pins_at_end} at the end; "
-              f"{summary.preemptions} preemptions")
-        print(f"  send queues: peak depth {summary.peak_queue_depth}, peak in flight "
-              f"{summary.peak_jobs_in_flight} (one rank)")
-        print(f"  store: {summary.rejections_200} puts answered -200, {summary.skipped_jobs} "
-              f"jobs skipped under pressure, dedup {summary.dedup_hits}/{summary.exists_keys} "
-              f"keys found present")
-        print(f"  KV events: {summary.events_published} published, {summary.orphans} orphans")
-    return 0

@@ -100,18 +100,6 @@ class DiagramSummary:
     never: tuple[tuple[str, str], ...]
 
 
-def check_output(svg: str) -> Path:
-    """The output path, or a `UsageError` saying why it cannot be written."""
-    from sim.cli import UsageError
-    from sim.commands.paths import output_file
-
-    out = Path(svg)
-    if out.suffix.lower() != ".svg":
-        raise UsageError(f"--svg {svg}: unknown suffix {out.suffix or '(none)'!r}; "
-                         "the diagram is written as SVG, to a path ending in .svg")
-    return output_file(svg, "--svg")
-
-
 def _layers(machine: Machine[Any, Any]) -> dict[Any, int]:
     states: list[Any] = [*machine.table]  # table order: every state has a row
     back: set[tuple[Any, Any]] = set()
@@ -336,42 +324,3 @@ def draw(machine: Machine[Any, Any], output: str | Path,
     return DiagramSummary(machine=machine.name, output=str(output), states=len(states),
                           transitions=entries, covered=counted if seen is not None else None,
                           never=tuple(never))
-
-
-def command(args: Any) -> int:
-    """``kvstate diagram MACHINE --svg OUT.svg``: checks before it replays traces."""
-    import json
-
-    from kvstate.diagrams import to_mermaid
-    from kvstate.tables import MACHINES_BY_NAME
-    from sim.extras import require
-
-    machine = MACHINES_BY_NAME[args.machine]  # cmd_diagram checked the name
-    require("matplotlib", "kvstate diagram --svg")
-    output = check_output(args.svg)
-    pairs = None
-    guards = ""
-    if args.coverage:
-        from kvstate.coverage import summarize
-        from sim.coverage import trace_coverage
-
-        cov = trace_coverage(args.coverage)
-        pairs = cov.pairs(machine)
-        (row,) = summarize(cov, [machine])
-        guards = f"; guard outcomes {row.guard_outcomes_seen} of {row.guard_outcomes} seen"
-    summary = draw(machine, output, pairs)
-    missing = [f"{s} --{e.lower()}-->" for s, e in summary.never]
-    if args.json:
-        print(json.dumps({"ok": True, "violations": [], "svg": summary.output,
-                          "mermaid": to_mermaid(machine, coverage=pairs),
-                          "states": summary.states, "transitions": summary.transitions,
-                          "covered": summary.covered, "unvisited": missing}, sort_keys=True))
-        return 0
-    print(f"{summary.output}: {summary.machine} machine, {summary.states} states, "
-          f"{summary.transitions} transitions")
-    if summary.covered is not None:
-        print(f"  coverage of {len(args.coverage)} trace(s): {summary.covered} of "
-              f"{summary.transitions} transitions fired{guards}")
-        for line in missing:
-            print(f"  never seen: {line}")
-    return 0

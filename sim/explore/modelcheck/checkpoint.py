@@ -3,17 +3,17 @@
 A scope that takes hours (``large``, or a wider one on a cluster) is lost
 whole to a Ctrl-C, a budget, a driver restarted or a machine taken back,
 unless the search can be written down and picked up again. The compact
-engine (`sim.mc_compact`) searches level by level and merges in frontier
+engine (`sim.explore.modelcheck.compact`) searches level by level and merges in frontier
 order, so its whole state between two frontier states is plain data:
 
 * ``parents``: every key visited, with the key and action it was reached by
-  (a `sim.mc_visited.Visited`, ~43 bytes a state; its order is the
+  (a `sim.explore.modelcheck.visited.Visited`, ~43 bytes a state; its order is the
   discovery order the workers are told);
 * ``rest``: the current level's states not expanded yet, as (key, pickled
-  state), in frontier order (a `sim.mc_frontier.Frontier`: in memory or on
+  state), in frontier order (a `sim.explore.modelcheck.frontier.Frontier`: in memory or on
   disk, streamed to and from the file record by record);
 * ``following``: the next level's states found so far (the same);
-* ``depth`` and the counters of the `sim.modelcheck.Result` so far.
+* ``depth`` and the counters of the `sim.explore.modelcheck.model.Result` so far.
 
 Going on from exactly that makes the same merges in the same order, so a
 resumed search ends with the same states, transitions, depth, verdict and
@@ -24,7 +24,7 @@ and compares). The workers' own key sets are not saved: a
 worker knowing fewer keys only pickles more children, never other ones.
 
 A checkpoint holds pickled core objects, so it only means something to the
-same code: it records `sim.cluster.code_fingerprint` and refuses to resume
+same code: it records `sim.explore.cluster.code_fingerprint` and refuses to resume
 under other sources (the states would load into other classes, and their
 digests would differ). Like every pickle, loading one runs code: resume only
 checkpoints you wrote. Files are written whole or not at all (a temporary
@@ -58,17 +58,20 @@ from typing import BinaryIO, NoReturn
 
 import attrs
 
-from sim.mc_frontier import Frontier
-from sim.mc_visited import Visited
-from sim.modelcheck import Scope
+from sim.explore.modelcheck.frontier import Frontier
+from sim.explore.modelcheck.model import Scope
+from sim.explore.modelcheck.visited import Visited
 
 # Bumped whenever the layout below changes meaning: an older file is refused
 # with both numbers rather than misread.
-FORMAT = 4
+FORMAT = 5
+# 5: the model checker's classes pickled at their sub-package paths
+#    (sim.explore.modelcheck.model.Scope, ...: issue 31); a format-4 file names
+#    sim.modelcheck, which no longer exists, and is refused by its number;
 # 4: the file ends with a blake2b digest of all of it, checked before anything
 #    in it is unpickled (a damaged file failed mid-search, or went on from
 #    wrong states without a word); 3: the visited table packed
-#    (sim.mc_visited); 2 held a dict
+#    (sim.explore.modelcheck.visited); 2 held a dict
 # The first thing in the file, with the format: what says it is one at all.
 MAGIC = "kvstate model-checker checkpoint"
 
@@ -86,7 +89,7 @@ class Checkpoint:
     protocol: str
     reduce: bool
     only: tuple[str, ...] | None
-    code: str  # sim.cluster.code_fingerprint() of the writer
+    code: str  # sim.explore.cluster.code_fingerprint() of the writer
     parents: Visited
     depth: int  # of the states in ``rest``
     transitions: int
@@ -302,7 +305,7 @@ def _digests(f: io.BufferedReader, content: int) -> tuple[hashlib.blake2b, bytes
 
 
 def _same_code(path: str, code: object) -> None:
-    from sim.cluster import code_fingerprint
+    from sim.explore.cluster import code_fingerprint
 
     here = code_fingerprint()
     if code != here:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvstate.coverage import Coverage, recording
-from sim.replay import replay_trace
+from sim.traces.replay import replay_trace
 
 
 class CoverageError(Exception):

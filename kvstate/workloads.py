@@ -3,7 +3,7 @@
 ``synthetic`` draws arrivals (Poisson), prompt and output lengths, shared
 prefixes (so lookups hit and existence checks deduplicate) from the kernel's
 seeded generator. ``fast25`` reads the Mooncake FAST'25 conversation trace
-(packaged, gzip-compressed, in sim/data: arrival ms, input/output lengths, 512-token
+(packaged, gzip-compressed, in kvstate/data: arrival ms, input/output lengths, 512-token
 prefix hash ids), or any trace in that format; token ids are derived from the
 hash ids deterministically (``Remap``: two prompts share a scaled block iff
 they share every original block it covers), and ``scale`` (any positive
@@ -28,6 +28,9 @@ import attrs
 
 from kvstate.trace.codec import unique_keys
 
+# The Mooncake FAST'25 conversation trace, shipped gzip-compressed (kvstate/data/README.md:
+# source and licence).
+DEFAULT_FAST25 = Path(__file__).resolve().parent / "data" / "mooncake_fast25_conversation.jsonl.gz"
 FAST25_BLOCK = 512  # tokens per hash id in the FAST'25 trace (its README)
 VOCAB = 50000
 

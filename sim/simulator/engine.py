@@ -27,10 +27,10 @@ from collections import deque
 from collections.abc import Callable
 
 from kvstate.harness import EngineRequest, Harness
-from sim.faults import Faults
-from sim.kernel import Kernel
-from sim.store import SimStore
-from sim.workloads import Arrival
+from kvstate.workloads import Arrival
+from sim.simulator.faults import Faults
+from sim.simulator.kernel import Kernel
+from sim.simulator.store import SimStore
 
 STALL_TIME = 0.5  # seconds a stalled rank sleeps (a long GC pause or a slow NIC)
 REUSE_MEMORY = 64  # finished ids a client may resubmit
@@ -75,7 +75,7 @@ class RankThread:
         if op == "put" and engine.faults.fire("put_preempted"):
             # The master took the call's PutStarts, then its transfer hangs:
             # no PutEnd or PutRevoke follows, so the store keeps the keys as
-            # puts in progress until a put preempts them (sim.store).
+            # puts in progress until a put preempts them (sim.simulator.store).
             engine.store.start_puts(call.keys)
             self._hang(op)
             return

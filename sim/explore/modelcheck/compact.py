@@ -18,7 +18,7 @@ state is or how a successor is computed:
   reference counting; the cyclic collector is off during the search (on again
   afterwards, and run every `COLLECT_EVERY` transitions in case some path
   leaves a cycle uncut, so memory stays bounded).
-* **What every state shares is stored once** (`sim.mc_state`): the config,
+* **What every state shares is stored once** (`sim.explore.modelcheck.state`): the config,
   the variant and what the harness, monitor, planner and executors derive
   from them at construction are written as references to the search's
   initial state, so copying a state loads ~25 % less and storing one writes
@@ -28,7 +28,7 @@ state is or how a successor is computed:
   (`multiprocessing`, fork where available) or Ray actors on a cluster
   (`_RayPool`), each a contiguous slice. A worker computes the digests the
   parent would: nothing in a state may depend on the process that made it
-  (request names enter interned, see `sim.modelcheck.apply`; a test
+  (request names enter interned, see `sim.explore.modelcheck.model.apply`; a test
   explores pickled copies of the scopes, as a spawned worker or an actor
   gets them). The
   parent merges their results *in frontier order*, exactly as the legacy FIFO
@@ -39,8 +39,8 @@ state is or how a successor is computed:
   so far); a child it skips is one the parent has already merged, because
   everything a worker knows precedes that child in frontier order.
 
-The behaviour stays single-sourced: successors are `sim.modelcheck.apply` on
-a real `kvstate.harness.Harness`, identity is `sim.modelcheck.digest` (the
+The behaviour stays single-sourced: successors are `sim.explore.modelcheck.model.apply` on
+a real `kvstate.harness.Harness`, identity is `sim.explore.modelcheck.model.digest` (the
 same symmetry and counter reductions, whose soundness argument lives in that
 module's docstring), violations are the core monitor's findings.
 
@@ -67,12 +67,10 @@ import attrs
 
 from kvstate.coverage import add_fired, recording, recording_now
 from kvstate.variants import get_variant
-from sim.cluster import ClusterError, code_fingerprint, node_code
-from sim.mc_checkpoint import Checkpoint, probe, require_same, save
-from sim.mc_frontier import Frontier
-from sim.mc_state import codec_for
-from sim.mc_visited import KeySet, Visited
-from sim.modelcheck import (
+from sim.explore.cluster import ClusterError, code_fingerprint, node_code
+from sim.explore.modelcheck.checkpoint import Checkpoint, probe, require_same, save
+from sim.explore.modelcheck.frontier import Frontier
+from sim.explore.modelcheck.model import (
     EXCLUDED_FIELDS,
     NO_FIELDS,
     ORDINALS,
@@ -91,6 +89,8 @@ from sim.modelcheck import (
     enabled,
     violation_at,
 )
+from sim.explore.modelcheck.state import codec_for
+from sim.explore.modelcheck.visited import KeySet, Visited
 
 # With the collector off, a cycle nobody cut would only be freed here.
 COLLECT_EVERY = 20_000
@@ -150,7 +150,7 @@ def _constant_types() -> tuple[type, ...]:
     from kvstate.config import ConnectorConfig
     from kvstate.harness import Harness
     from kvstate.variants import Variant
-    from sim.modelcheck import NextAnswers
+    from sim.explore.modelcheck.model import NextAnswers
 
     return (Harness, ConnectorConfig, Variant, BlockPool, NextAnswers)
 
@@ -163,7 +163,7 @@ _DISPATCH: dict[type, int] = {
 
 
 def fast_digest(s: System) -> bytes:
-    """`sim.modelcheck.digest`, byte for byte, with `FastCanonicalPickler`."""
+    """`sim.explore.modelcheck.model.digest`, byte for byte, with `FastCanonicalPickler`."""
     return digest(s, FastCanonicalPickler)
 
 
@@ -325,7 +325,7 @@ class SliceWorker:
     def expand(self, known: bytes, chunk: list[tuple[bytes, bytes]],
                record: bool = False) -> SliceResult | WorkerError:
         """``known``: the keys merged since the last call, packed
-        (`sim.mc_visited.KeySet.packed_from`). ``record``: the driver records
+        (`sim.explore.modelcheck.visited.KeySet.packed_from`). ``record``: the driver records
         table coverage, so record this slice's and send it back
         (`kvstate.coverage.add_fired`)."""
         self.seen.add_packed(known)
@@ -352,7 +352,7 @@ class SliceResult:
 
 def _worker(conn: Any, scope: Scope, protocol: str, reduce: bool,
             only: Sequence[str] | None) -> None:
-    from sim.workers import take_signals
+    from sim.explore.workers import take_signals
 
     take_signals()
     gc.disable()
@@ -374,7 +374,7 @@ class _ActorWorker(SliceWorker):
 
     def __init__(self, scope: Scope, protocol: str, reduce: bool,
                  only: Sequence[str] | None, code: tuple[str, ...]) -> None:
-        from sim.cluster import require_code
+        from sim.explore.cluster import require_code
 
         require_code(code)
         gc.disable()
@@ -543,17 +543,17 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                   expander: Expander | None = None, cluster: Any = None,
                   stop: Callable[[], bool] | None = None, checkpoint: str | None = None,
                   checkpoint_every: float = 300.0, resume: Checkpoint | None = None) -> Result:
-    """`sim.modelcheck.check` with the compact engine (see the module docstring).
+    """`sim.explore.modelcheck.search.check` with the compact engine (see the module docstring).
     ``expander``: this process's (a `TimedExpander` to time the phases).
-    ``cluster``: a `sim.cluster.Cluster`; the ``workers`` are then Ray actors
+    ``cluster``: a `sim.explore.cluster.Cluster`; the ``workers`` are then Ray actors
     on it instead of local processes.
 
     ``stop``: asked before each frontier state is merged; true ends the
     search there (``Result.interrupted``; the command line's first Ctrl-C).
-    ``checkpoint``: a file the search is written to (`sim.mc_checkpoint`;
+    ``checkpoint``: a file the search is written to (`sim.explore.modelcheck.checkpoint`;
     one that cannot be written fails before any work) when a level ends and ``checkpoint_every`` seconds passed since the last
     write, and whenever the search stops before its end (stop, budget,
-    max_states). ``resume``: a checkpoint (`sim.mc_checkpoint.load`) to go
+    max_states). ``resume``: a checkpoint (`sim.explore.modelcheck.checkpoint.load`) to go
     on from instead of the initial state, of this scope, protocol, reduction
     and ``only`` (else `CheckpointError`): the result is the one an
     uninterrupted search gives, its ``seconds`` counting every run. A loaded

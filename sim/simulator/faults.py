@@ -26,7 +26,7 @@ SITES: dict[str, str] = {
     "store_hang": "a store call hangs (until the timeout, if the protocol has one)",
     "evict": "the store evicts its oldest key",
     "rank_stall": "a rank's send thread stalls for a while",
-    # Mooncake's own failure modes (mooncake-store docs and source; sim/store.py).
+    # Mooncake's own failure modes (mooncake-store docs and source; sim/simulator/store.py).
     "master_restart": "the master restarts: every object is lost at once, puts work again "
                       "right after (clients remount)",
     "lease_expired": "a get of a key the store holds answers -707 (its lease ran out "

@@ -16,9 +16,9 @@ from typing import Any
 
 import attrs
 
-from sim.faults import SITES
-from sim.runner import SimOptions, simulate
-from sim.workers import take_signals
+from sim.explore.workers import take_signals
+from sim.simulator.faults import SITES
+from sim.simulator.runner import SimOptions, simulate
 
 
 @attrs.define
@@ -122,10 +122,10 @@ class _Processes:
 
 
 class _Ray:
-    """Seeds as Ray tasks on the cluster at ``address`` (`sim.cluster`)."""
+    """Seeds as Ray tasks on the cluster at ``address`` (`sim.explore.cluster`)."""
 
     def __init__(self, address: str) -> None:
-        from sim.cluster import Cluster
+        from sim.explore.cluster import Cluster
 
         self.cluster = Cluster(address)
         self.submit = self.cluster.task(run_seed)

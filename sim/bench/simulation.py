@@ -1,0 +1,90 @@
+"""Simulator throughput (issue: simulator, "Speed and memory"): every invariant
+checked after every observation, against a bare heapq loop in the same run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvstate.invariants import Monitor
+
+
+def bare_heap_rate(events: int = 300_000) -> float:
+    """Events per second of a bare heapq loop with the kernel's entry shape
+    and a no-op action: the ceiling any Python event loop runs under."""
+    import heapq
+
+    heap: list[tuple[float, int, Any]] = []
+    noop = int
+    started = time.perf_counter()
+    seq = 0
+    now = 0.0
+    for _ in range(events):
+        seq += 1
+        heapq.heappush(heap, (now + 0.001, seq, noop))
+        now, _, action = heapq.heappop(heap)
+        action()
+    return events / (time.perf_counter() - started)
+
+
+class _Unchecked(Monitor):
+    """A monitor that checks nothing: the simulator's cost without its checks."""
+
+    def observe(self, obs: Any, absent: frozenset[str] = frozenset()) -> None:
+        pass
+
+
+def bench_sim(requests: int = 400, check_lines: bool = True) -> dict[str, Any]:
+    """Simulator throughput with every invariant checked after every
+    observation, against a bare heapq loop in the same run; trace-check
+    throughput on that run's trace."""
+    import os
+    import tempfile
+
+    from sim.simulator.runner import SimOptions, simulate
+    from sim.traces.check import check_trace
+
+    heap_rate = bare_heap_rate()
+    options = SimOptions(requests=requests)
+    started = time.perf_counter()
+    result = simulate(options)
+    seconds = time.perf_counter() - started
+    # The same run with a monitor that checks nothing: what the checks cost,
+    # and the ceiling of this simulator without them (issue 11 asked for
+    # 0.05x with every check on; this row says how far the rest alone is).
+    started = time.perf_counter()
+    unchecked = simulate(options, monitor=_Unchecked)
+    unchecked_seconds = time.perf_counter() - started
+    if unchecked.figures["observations"] != result.figures["observations"]:
+        raise RuntimeError("the unchecked run made other observations than the checked one")
+    figures: dict[str, Any] = {
+        "bare_heapq_events_per_s": round(heap_rate),
+        "sim_observations": result.figures["observations"],
+        "sim_kernel_events": result.figures["kernel_events"],
+        "sim_seconds": round(seconds, 3),
+        "sim_observations_per_s": round(result.figures["observations"] / seconds),
+        "sim_kernel_events_per_s": round(result.figures["kernel_events"] / seconds),
+        "unchecked_seconds": round(unchecked_seconds, 3),
+    }
+    figures["ratio_observations_to_bare_heapq"] = round(
+        figures["sim_observations_per_s"] / heap_rate, 4)
+    figures["ratio_kernel_events_to_bare_heapq"] = round(
+        figures["sim_kernel_events_per_s"] / heap_rate, 4)
+    figures["ratio_unchecked_observations_to_bare_heapq"] = round(
+        result.figures["observations"] / unchecked_seconds / heap_rate, 4)
+    figures["checks_share_of_sim_seconds"] = round(1 - unchecked_seconds / seconds, 3)
+    if check_lines:
+        fd, path = tempfile.mkstemp(suffix=".jsonl")
+        os.close(fd)
+        try:
+            with open(path, "w") as out:
+                simulate(options, trace=out)
+            started = time.perf_counter()
+            checked = check_trace(path)
+            seconds = time.perf_counter() - started
+            figures["check_lines"] = checked.lines
+            figures["check_lines_per_s"] = round(checked.lines / seconds)
+            figures["trace_bytes"] = os.path.getsize(path)
+        finally:
+            os.unlink(path)
+    return figures
