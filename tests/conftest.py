@@ -43,7 +43,7 @@ json_values = _json_values()
 # collected then. `tests/test_markers.py` keeps this set equal to the modules'
 # own marks.
 WHOLLY_SLOW_MODULES = frozenset({"test_cluster.py", "test_conformance.py", "test_engine.py",
-                                 "test_hybrid_connector.py",
+                                 "test_engine_hybrid.py", "test_hybrid_connector.py",
                                  "test_load_conformance.py", "test_mooncake.py",
                                  "test_observer.py", "test_store_chaos.py",
                                  "test_vllm_connector.py"})

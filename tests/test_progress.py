@@ -359,7 +359,7 @@ def test_real_shows_its_phases(capsys: pytest.CaptureFixture[str],
     watch(monkeypatch)
     result = SimpleNamespace(ok=True, violations=[], figures={"requests": 3, "puts": 9})
 
-    def measure(args: Any, bar: Any) -> Any:
+    def measure(args: Any, bar: Any, arrivals: Any = None) -> Any:
         bar.update(phase="starting mooncake_master")
         return "127.0.0.1:1", ([("a", [1], 1)] * 3, result)
 
