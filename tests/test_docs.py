@@ -134,3 +134,51 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "commands" / "index.html").is_file()
+
+
+# Lines of a tutorial's shown output that must come out as written: what a
+# reader compares with their own run (timings, rates and trimmed lines vary).
+_STABLE = re.compile(r"^\s*(VIOLATION|result:|reproduce:|DIVERGENCE|shortest counterexample"
+                     r"|minimized|trace:|recorded:|model:|line \d+:)")
+
+
+def _steps(page: str) -> tuple[str, list[tuple[list[str], list[str]]]]:
+    """A tutorial's Python module and its commands, each with the stable
+    lines of the output shown after it."""
+    text = (ROOT / page).read_text()
+    (module,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    steps: list[tuple[list[str], list[str]]] = []
+    for kind, body in re.findall(r"```(bash|text)\n(.*?)```", text, re.S):
+        if kind == "bash":
+            lines = [c for c in body.splitlines() if c.startswith("kvstate ")]
+            if lines:
+                steps.append((lines, []))
+        elif steps and not steps[-1][1]:  # the output shown after the commands
+            steps[-1][1].extend(s.strip() for s in body.splitlines() if _STABLE.match(s))
+    return module, steps
+
+
+@pytest.mark.slow
+def test_the_find_the_bug_tutorial_runs_as_written(tmp_path: Path) -> None:
+    """A newcomer following docs/tutorials/find-the-bug.md gets what it shows:
+    its variant module written as given, every command run in order in one
+    directory (``kvstate`` is ``python -m sim.cli``), and every line that is
+    not a timing or trimmed found in the output, word for word."""
+    import os
+
+    module, steps = _steps("docs/tutorials/find-the-bug.md")
+    (tmp_path / "myvariants.py").write_text(module)
+    env = dict(os.environ, KVSTATE_VARIANTS="myvariants", NO_COLOR="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    assert len(steps) >= 6
+    for commands, shown in steps:
+        out = ""
+        for command in commands:
+            argv = [sys.executable, "-m", "sim.cli", *shlex.split(command)[1:]]
+            done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=600)
+            assert "Traceback" not in done.stderr, done.stderr[-2000:]
+            out += done.stdout + done.stderr
+        got = {line.strip() for line in out.splitlines()}
+        for line in shown:
+            assert line in got, f"{commands}: the tutorial shows {line!r}; the run printed:\n{out}"
