@@ -68,6 +68,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_trace_contract import _paths  # every path into a JSON value
 
 from sim.cli import build_parser, main
 
@@ -141,17 +142,6 @@ def hostile_json() -> st.SearchStrategy[Raw]:
         st.integers(1, 3000).map(lambda n: "[" * n + "]" * n),
         st.just("[" * 100_000 + "]" * 100_000),
     ).map(Raw)
-
-
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += _paths(v, (*prefix, i))
-    return out
 
 
 def _at(value: Any, path: tuple[Any, ...]) -> Any:
