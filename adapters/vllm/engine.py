@@ -528,13 +528,13 @@ class _Faults:
                   "answer": answer.read_text().strip(), "steps_to_first_put": None,
                   "seconds_to_first_put": None}
         self.done.append(record)
-        self._open.append((record, _keys_put(), time.monotonic()))
+        self._open.append((record, KEYS_PUT[0], time.monotonic()))
 
     def stepped(self) -> None:
         self.step += 1
         if not self._open:
             return
-        put, now = _keys_put(), time.monotonic()
+        put, now = KEYS_PUT[0], time.monotonic()
         still = []
         for record, before, at in self._open:
             if put > before:
@@ -545,7 +545,7 @@ class _Faults:
         self._open = still
 
 
-KEYS_PUT = [0]
+KEYS_PUT = [0]  # keys this process has put successfully (`_count_puts`)
 
 
 def _count_puts() -> None:
@@ -563,14 +563,8 @@ def _count_puts() -> None:
     MooncakeDistributedStore.batch_put_from_multi_buffers = batch_put_from_multi_buffers
 
 
-def _keys_put() -> int:
-    """Keys this process has put successfully so far."""
-    return KEYS_PUT[0]
-
-
-def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
-              max_steps: int = 100_000, faults: _Faults | None = None,
-              pause_s: float = 0.0) -> dict[str, Any]:
+def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any, max_steps: int,
+              faults: _Faults, pause_s: float = 0.0) -> dict[str, Any]:
     def add(request: EngineRequest) -> None:
         params = sampling(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(request.req_id, tokens_prompt(prompt_token_ids=request.prompt),
@@ -596,12 +590,11 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
             os.kill(wave.kill, signal.SIGKILL)
             killed = True
         for fault in wave.store_faults:
-            if fault.after_steps == steps and faults is not None:
+            if fault.after_steps == steps:
                 faults.ask(fault)
         outs = engine.step()
         steps += 1
-        if faults is not None:
-            faults.stepped()
+        faults.stepped()
         if pause_s:
             time.sleep(pause_s)
         now = time.perf_counter()
@@ -619,7 +612,7 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
         if steps >= max_steps:
             break
     missed = [f for f in wave.store_faults if f.after_steps >= steps]
-    if missed and faults is not None:
+    if missed:
         raise EngineFailed(f"the wave ended after {steps} steps, before its store faults "
                            f"{[attrs.asdict(f) for f in missed]}: make it longer")
     stalled = sorted(r.req_id for r in wave.requests if r.req_id not in outputs)
@@ -634,7 +627,7 @@ def _run_wave(engine: Any, wave: Wave, sampling: Any, tokens_prompt: Any,
             "first_token_s": first_token_s, "killed": killed, "stalled": stalled}
 
 
-def _drain(llm: Any, spec: EngineSpec, faults: _Faults | None = None) -> dict[str, Any]:
+def _drain(llm: Any, spec: EngineSpec, faults: _Faults) -> dict[str, Any]:
     """Step until the connector has no save work left; then what it holds."""
     core = _core(llm)
     scheduler = core.scheduler
@@ -644,8 +637,7 @@ def _drain(llm: Any, spec: EngineSpec, faults: _Faults | None = None) -> dict[st
     while scheduler.has_requests() and time.monotonic() < deadline:
         llm.llm_engine.step()
         drain_steps += 1
-        if faults is not None:
-            faults.stepped()
+        faults.stepped()
         time.sleep(0.005)
     out: dict[str, Any] = {"drain_steps": drain_steps,
                            "pending_save_work": bool(scheduler.has_requests()),
