@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -73,6 +74,26 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` in state T (stopped), from /proc; a thread
+    that exits meanwhile is skipped."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                # "pid (comm) S ...": comm may hold spaces and parens, so the
+                # state is the first field after the last ")".
+                state = stat.read().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 def master_binary() -> str:
     return wheel_binary("mooncake_master")
 
@@ -134,6 +155,26 @@ class Master:
 
     def stop(self) -> None:
         stop_process(self.process)
+
+    def pause(self, within: float = 10.0) -> None:
+        """SIGSTOP this master and return only once every one of its threads
+        is stopped. ``kill`` returns when the signal is queued, not when it
+        has acted: the kernel stops a process's threads one by one as each
+        next runs, and on a loaded machine an RPC thread can answer for a
+        while after ``kill`` returned (CI saw a call answered on a
+        "stopped" master). ``MasterError`` if not all stopped ``within``."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + within
+        while not _all_threads_stopped(self.process.pid):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise MasterError(f"mooncake_master {self.process.pid} not stopped "
+                                  f"within {within:g} s of SIGSTOP")
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        """SIGCONT (harmless on a master that is not stopped or has exited)."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
 
     def restart(self) -> None:
         """Kill this master (SIGKILL: a crash, stopped or not) and start a

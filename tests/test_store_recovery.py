@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import signal
 import threading
 import time
 import uuid
@@ -50,7 +49,7 @@ def master() -> Iterator[Any]:
     started = Master()
     yield started
     if started.process.poll() is None:
-        os.kill(started.process.pid, signal.SIGCONT)  # a stopped master ignores SIGTERM
+        started.resume()  # a stopped master ignores SIGTERM
     started.stop()
 
 
@@ -103,7 +102,7 @@ def test_a_call_on_a_stopped_master_times_out_and_the_store_recovers_once_it_ans
     try:
         buf.fill(0, b"a")
         assert _put(store, buf, f"{tag}-before", 0)
-        os.kill(master.process.pid, signal.SIGSTOP)
+        master.pause()  # returns once every thread of it is stopped
         with pytest.raises(TimeoutError, match="batch_is_exist did not return within 1"):
             store.exists([f"{tag}-before"])
         started = time.monotonic()
@@ -111,7 +110,7 @@ def test_a_call_on_a_stopped_master_times_out_and_the_store_recovers_once_it_ans
             store.exists([f"{tag}-before"])
         assert time.monotonic() - started < 1.0  # refused at once, not after a timeout
         assert store.episode == 1
-        os.kill(master.process.pid, signal.SIGCONT)
+        master.resume()
         buf.fill(1, b"b")
         until(lambda: _put(store, buf, f"{tag}-after", 1), 20, "a put after SIGCONT")
         assert store.exists([f"{tag}-after"]) == [True]
@@ -120,7 +119,7 @@ def test_a_call_on_a_stopped_master_times_out_and_the_store_recovers_once_it_ans
         assert store.episode is None and store.recoveries == 1
         assert store.stats()["store_recovery_attempts"] >= 1
     finally:
-        os.kill(master.process.pid, signal.SIGCONT)
+        master.resume()
         store.close()
 
 

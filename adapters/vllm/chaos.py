@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -117,19 +116,18 @@ def run(master: Any, model_dir: str, workdir: str, *, restarts: int = 3,
                                     "hit_tokens_before": before["hit_tokens"],
                                     "hit_tokens_until_first_put": hits,
                                     "hit_tokens_after": after["hit_tokens"]})
-        pid = master.process.pid
         stalled_at = time.monotonic()
 
         def stall(step: int) -> None:
             if step == 2:
-                os.kill(pid, signal.SIGSTOP)
+                master.pause()
             if step > 2 and time.monotonic() - stalled_at > stall_s:
-                os.kill(pid, signal.SIGCONT)
+                master.resume()
 
         try:
             _serve(rig, round_no, bad, during=stall)
         finally:
-            os.kill(pid, signal.SIGCONT)
+            master.resume()
         round_no += 1
         steps, seconds, rounds, _ = _until_a_put(rig, round_no, bad)
         round_no += rounds

@@ -32,8 +32,6 @@ store's recovery episodes.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import tempfile
 import threading
@@ -129,8 +127,8 @@ class FaultController:
             self.master.restart()
             return f"master {old} killed, {self.master.process.pid} listening"
         pid = self.master.process.pid
-        os.kill(pid, signal.SIGSTOP)
-        timer = threading.Timer(fault.seconds, os.kill, (pid, signal.SIGCONT))
+        self.master.pause()
+        timer = threading.Timer(fault.seconds, self.master.resume)
         timer.daemon = True
         timer.start()
         self._timers.append(timer)
@@ -142,7 +140,7 @@ class FaultController:
         for timer in self._timers:
             timer.cancel()
         if self.master.process.poll() is None:
-            os.kill(self.master.process.pid, signal.SIGCONT)  # never leave it stopped
+            self.master.resume()  # never leave it stopped
 
 
 def run(deployment: Deployment, workdir: str | Path,
