@@ -81,7 +81,7 @@ class EngineRequest:
     __slots__ = (
         "req_id", "prompt", "tokens", "max_new_tokens", "computed", "blocks", "chain",
         "sent_hashes", "status", "resume", "pending_load", "load_async", "lookup",
-        "hit", "transferred", "token_seed", "load_failed", "resume_hit", "rewind",
+        "hit", "transferred", "token_seed", "load_failed", "resume_hit", "rewind", "freed",
     )
 
     def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
@@ -110,6 +110,10 @@ class EngineRequest:
         # Its asynchronous load failed: no second lookup or allocation (the
         # connector's rule: `adapters.vllm.scheduler_side`).
         self.load_failed = False
+        # Per group: table positions whose block left the sliding window and
+        # was freed since the request was last scheduled (told to the
+        # connector with its next ``CachedRequest``).
+        self.freed: list[list[int]] = [[] for _ in range(num_groups)]
 
 
 class Harness:
@@ -282,6 +286,7 @@ class Harness:
             if req.computed + n > len(req.tokens):
                 index += 1
                 continue
+            self._leave_window(req)
             new_blocks = self._grow(req, req.computed + n)
             while new_blocks is None and self.auto_preempt:
                 # vLLM: preempt the lowest-priority running request (the newest),
@@ -299,7 +304,11 @@ class Harness:
             hashed = req.chain.num_tokens
             fresh = tuple(req.chain.extend(req.tokens[hashed:req.computed + n])
                           if req.computed + n > hashed else ())
-            cached.append(CachedRequest(req.req_id, req.computed, ids, new_blocks, fresh))
+            freed: tuple[tuple[int, ...], ...] = ()
+            if any(req.freed):
+                freed = tuple(tuple(f) for f in req.freed)
+                req.freed = [[] for _ in req.freed]
+            cached.append(CachedRequest(req.req_id, req.computed, ids, new_blocks, fresh, freed))
             budget -= n
             forward.append((req, n))
             index += 1
@@ -353,6 +362,7 @@ class Harness:
         for table in req.blocks:
             self.pool.unref(reversed(table))
         req.blocks = [[] for _ in self.config.groups]
+        req.freed = [[] for _ in self.config.groups]
         req.computed = 0
         req.chain = HashChain(self.config.hash_block, hash_fn=self.hash_fn)
         req.sent_hashes = 0
@@ -364,6 +374,28 @@ class Harness:
         self.waiting.appendleft(req)
         preempted.append(req.req_id)
         self.preemptions += 1
+
+    def _leave_window(self, req: EngineRequest) -> None:
+        """vLLM's ``SlidingWindowManager.remove_skipped_blocks`` when a running
+        request is allocated again (before the allocation, whether or not it
+        then gets its blocks): a window group's blocks wholly before the
+        window of the first token to compute (``get_num_skipped_tokens``, as
+        `_skip_window`) become the null block and are freed, from the
+        right until a null block. The pool may hand them to another request
+        at once; only the connector's pins keep them."""
+        bs = self.config.block_size
+        for g, (spec, table) in enumerate(zip(self.config.groups, req.blocks)):
+            if spec.sliding_window is None:
+                continue
+            skipped = min(max(0, req.computed - spec.sliding_window + 1) // bs, len(table))
+            removed: list[int] = []
+            for pos in range(skipped - 1, -1, -1):
+                if table[pos] == NULL_BLOCK_ID:
+                    break
+                removed.append(table[pos])
+                table[pos] = NULL_BLOCK_ID
+                req.freed[g].append(pos)
+            self.pool.unref(removed)
 
     def _grow(self, req: EngineRequest, tokens: int) -> tuple[tuple[int, ...], ...] | None:
         # Per group: a sliding-window table may start with null blocks (`_skip_window`).
@@ -593,6 +625,7 @@ class Harness:
             for table in req.blocks:
                 self.pool.unref(reversed(table))
             req.blocks = [[] for _ in self.config.groups]
+            req.freed = [[] for _ in self.config.groups]
             if self.variant.lookup_after_failed_load:
                 req.hit = None  # upstream asks the store again (H4)
                 return

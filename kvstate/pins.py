@@ -75,6 +75,12 @@ class PinPolicy:
     def on_drained(self, tracker: Tracker, releases: list[int]) -> None:
         pass
 
+    def holds(self, tracker: Tracker, position: int) -> bool:
+        """Whether the block at ``position`` of the generation's tables is
+        pinned by this policy and released by reading the tables again (so
+        the planner must not null it there when the engine frees it)."""
+        return False
+
 
 class NoPins(PinPolicy):
     name = "none"
@@ -100,6 +106,9 @@ class IncrementalPins(PinPolicy):
             # Tail first, as vLLM frees: the tail is the least likely to be shared.
             releases.extend(reversed(_blocks(tracker, tracker.released_upto, upto)))
             tracker.released_upto = upto
+
+    def holds(self, tracker: Tracker, position: int) -> bool:
+        return tracker.released_upto <= position < tracker.pinned_upto
 
     def on_drained(self, tracker: Tracker, releases: list[int]) -> None:
         if tracker.pinned_upto > tracker.released_upto:

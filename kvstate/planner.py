@@ -466,6 +466,8 @@ class Planner:
                     "S23", f"request {cached.req_id!r} scheduled as running but has no "
                     "live generation"))
                 continue
+            if cached.freed_positions:
+                self._forget_freed(tracker, cached.freed_positions)
             is_decode = cached.num_computed_tokens >= tracker.prefill_end
             if is_decode and not save_decode:
                 continue  # fast path: decode saving off, no tracker work at all
@@ -513,6 +515,29 @@ class Planner:
             if self._loading and self._reads_loading(tracker):
                 continue  # saved next step, once this step's loads reported
             self._maybe_save(tracker, False, is_decode, out.saves, out.pins)
+
+    def _forget_freed(self, tracker: Tracker, freed: Sequence[Sequence[int]]) -> None:
+        """The engine freed these table positions (a sliding-window group's
+        blocks that left the window) and may already have handed the blocks
+        to another request in this step: from now on the tracker's table
+        holds the null block there, so no job reads or pins them (upstream's
+        ``_apply_current_save_block_ids`` does the same with vLLM's current
+        tables). A block the generation still pins stays (the pin keeps its
+        bytes; the policy releases it by its id later). Ranks that were sent
+        the block get the null block with the next job's slice, unless every
+        rank has confirmed saving past it: a rank reads from its own saved
+        offset on, never below (so in steady decode, where the window frees
+        blocks long saved, the slices stay as small as without a window)."""
+        holds = self.variant.pins.holds
+        sent = tracker.sent_blocks
+        saved_by_all = min(tracker.rank_confirmed) // self.config.block_size
+        for g, positions in enumerate(freed):
+            table = tracker.block_ids[g]
+            for pos in positions:
+                if pos < len(table) and table[pos] != NULL_BLOCK_ID and not holds(tracker, pos):
+                    table[pos] = NULL_BLOCK_ID
+                    if saved_by_all <= pos < sent[g]:
+                        sent[g] = pos
 
     def _resume(self, resumed: Sequence[ResumedRequest], out: _StepOutput) -> None:
         config = self.config

@@ -46,6 +46,14 @@ class CachedRequest:
     ``new_token_ids`` are the real tokens whose KV this step computes
     (speculative drafts excluded); ``new_block_hashes`` the hashes of blocks the
     engine completed since the last step.
+
+    ``freed_positions``: per group, the positions in the request's table
+    whose block the engine freed since the last step (the table holds the null
+    block there now): a sliding-window group's blocks that left the window
+    (vLLM's ``SlidingWindowManager.remove_skipped_blocks``, run when the
+    request is allocated). Empty when nothing was freed, or one tuple per
+    group. The engine may hand those blocks to another request in this very
+    step, so no job planned from now on may read or pin them.
     """
 
     req_id: str
@@ -53,6 +61,7 @@ class CachedRequest:
     new_token_ids: tuple[int, ...]
     new_block_ids: BlockTable
     new_block_hashes: tuple[bytes, ...] = ()
+    freed_positions: BlockTable = ()
 
 
 @attrs.frozen(slots=True)

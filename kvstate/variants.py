@@ -77,9 +77,11 @@ class DeltaMetadata:
     def slice(tracker: Any) -> tuple[int, tuple[tuple[int, ...], ...], int, tuple[bytes, ...]]:
         sent = tracker.sent_blocks
         tables = tracker.block_ids
-        blocks = tuple(tuple(t[sent[g]:]) for g, t in enumerate(tables))
-        # Groups grow in lockstep here (one shared block size), so one start.
-        start = sent[0]
+        # Groups grow in lockstep here (one shared block size), so one start;
+        # a group's mark is behind the others only when the engine freed a
+        # block already sent (`Planner._forget_freed`): resent from there.
+        start = min(sent)
+        blocks = tuple(tuple(t[start:]) for t in tables)
         for g, t in enumerate(tables):
             sent[g] = len(t)
         hstart = tracker.sent_hashes

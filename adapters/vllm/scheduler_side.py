@@ -54,13 +54,14 @@ Several KV-cache groups (a hybrid model; the connector declares vLLM's
 block of vLLM's one block pool whichever group holds it, so pins and
 releases stay block ids; keys, lookups (the planner's window rule) and puts
 are per group. vLLM's sliding-window manager frees the blocks that left
-the window and nulls them in the request's table, which the planner's
-append-only mirror of the table does not see: a save job reads a window
-block safely only if the job was planned before vLLM freed it. The default
-protocol plans each block's job in the step that computes it, so that
-holds; `_window_fence` checks it every step against vLLM's current tables
-(``SchedulerOutput.kv_connector_block_state``, what upstream saves from)
-and says so when it does not.
+the window and nulls them in the request's table (and may hand them to
+another request in the same step); a save job must neither read nor pin
+them. Each step the positions vLLM nulled since the last step are read
+from vLLM's current tables (``SchedulerOutput.kv_connector_block_state``,
+what upstream saves from) and told to the planner with the request
+(``CachedRequest.freed_positions``), which nulls them in its copy of the
+table; `_window_fence` then checks every job against the current tables
+and says so if one still reads a freed block.
 
 Store keys use the engine's own block hashes (``Request.block_hashes``,
 vLLM's sha256 chain) in upstream's key format, so a store either connector
@@ -72,6 +73,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import attrs
 
 from kvstate.config import ConnectorConfig, GroupKind
 from kvstate.observations import (
@@ -167,6 +170,10 @@ class SchedulerSide:
         self.window_groups = tuple(g for g, spec in enumerate(config.groups)
                                    if spec.kind is GroupKind.SLIDING_WINDOW)
         self.fence_said = False
+        # Per request, per group: table positions below this were nulled by
+        # vLLM and told to the planner (vLLM nulls a window's blocks from the
+        # left, so the nulls are a prefix: each step scans only what is new).
+        self.nulled_upto: dict[str, list[int]] = {}
         self.store = lookup_store
         self.log = log
         self.pool: Any = None
@@ -352,6 +359,7 @@ class SchedulerSide:
                 continue  # the id's new request, admitted in this very step
             self.requests.pop(req_id, None)
             self.sent_hashes.pop(req_id, None)
+            self.nulled_upto.pop(req_id, None)
             self.hits.pop(req_id, None)
             self.local_hits.pop(req_id, None)
             self.failed_loads.pop(req_id, None)
@@ -363,8 +371,10 @@ class SchedulerSide:
         plan is to read that vLLM no longer holds for the request: it left
         the window and was freed before the job was planned, so another
         request may have taken it and written it before the job reads it.
-        A job reads its chunks ``[token_ids_start, token_len)``; a block it
-        re-reads after a failed put was pinned by its first job. vLLM
+        The planner nulls what it is told vLLM freed (`_freed_positions`),
+        so this counts only what that missed. A job reads its chunks
+        ``[token_ids_start, token_len)``; a block it re-reads after a failed
+        put was pinned by its first job. vLLM
         (0.32, 0.33) offers the connector the current tables of the
         requests scheduled this step; an engine that offers none is not
         checked."""
@@ -373,6 +383,7 @@ class SchedulerSide:
             return
         bs = self.config.block_size
         trackers = self.planner.trackers
+        holds = self.planner.variant.pins.holds  # a block the generation pins is safe
         freed = 0
         for save in plan.saves:
             current = state.get_block_ids(save.req_id)
@@ -383,7 +394,8 @@ class SchedulerSide:
                 mirror, now = tracker.block_ids[g], current[g]
                 for i in range(save.token_ids_start // bs, min(save.token_len // bs, len(mirror))):
                     block = mirror[i]
-                    if block != NULL_BLOCK_ID and (i >= len(now) or now[i] != block):
+                    if block != NULL_BLOCK_ID and (i >= len(now) or now[i] != block) \
+                            and not holds(tracker, i):
                         freed += 1
         if freed:
             if not self.fence_said:
@@ -404,7 +416,44 @@ class SchedulerSide:
 
         sched = scheduler_step(so, self.requests, self.sent_hashes, self.groups, resumes)
         self.resuming.difference_update(r.req_id for r in sched.resumed)
+        if self.window_groups:
+            sched = self._freed_positions(so, sched)
         return sched
+
+    def _freed_positions(self, so: Any, sched: SchedulerStep) -> SchedulerStep:
+        """Each running request's ``freed_positions``: the window-group table
+        positions vLLM nulled (and freed) since it was last scheduled, read
+        from vLLM's current tables. A request new or resumed this step brings
+        a whole table (its nulls included): scanned from 0 next time."""
+        for req_id in [r.req_id for r in sched.new] + [r.req_id for r in sched.resumed]:
+            self.nulled_upto.pop(req_id, None)
+        state = getattr(so, "kv_connector_block_state", None)
+        if state is None or not sched.cached:
+            return sched
+        trackers = self.planner.trackers
+        cached: list[CachedRequest] = []
+        for record in sched.cached:
+            current = state.get_block_ids(record.req_id)
+            tracker = trackers.get(record.req_id)
+            if current is None or tracker is None:
+                cached.append(record)
+                continue
+            upto = self.nulled_upto.setdefault(record.req_id, [0] * self.groups)
+            freed: list[tuple[int, ...]] = [() for _ in range(self.groups)]
+            for g in self.window_groups:
+                mirror, now = tracker.block_ids[g], current[g]
+                pos = upto[g]
+                found = []
+                while pos < len(now) and now[pos] == NULL_BLOCK_ID:
+                    if pos < len(mirror) and mirror[pos] != NULL_BLOCK_ID:
+                        found.append(pos)
+                    pos += 1
+                upto[g] = pos
+                freed[g] = tuple(found)
+            if any(freed):
+                record = attrs.evolve(record, freed_positions=tuple(freed))
+            cached.append(record)
+        return attrs.evolve(sched, cached=tuple(cached))
 
     # ------------------------------------------------------------------
     # update_connector_output.
