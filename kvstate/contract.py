@@ -202,6 +202,10 @@ FIELD_RULES: tuple[tuple[str, str], ...] = (
     ("ResumedRequest.num_computed_tokens, num_scheduled_tokens", "as for `NewRequest`"),
     ("NewRequest.prompt_token_ids, block_ids, block_hashes; CachedRequest.new_block_ids, "
      "new_block_hashes; ResumedRequest.all_token_ids, block_ids, block_hashes", "not read"),
+    ("CachedRequest.freed_positions",
+     "optional, not read by the checker: per group, the table positions the engine nulled "
+     "and freed since the request was last scheduled (a sliding window's blocks that left "
+     "it); a replay's planner nulls them so its jobs neither read nor pin them"),
     ("SaveMeta.job_id", "the store job id, unique per engine and strictly increasing from any "
                         "start (S22); every rank record of the job names it"),
     ("SaveMeta.token_ids_start, token_len",

@@ -13,6 +13,7 @@ lookups, the found divergences F4 and F5, and the group-rule mutants.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -23,15 +24,14 @@ pytest.importorskip("vllm")
 from adapters.vllm.conformance import (  # noqa: E402
     ALL,
     RULE_MUTANTS,
+    AppendOnlyTablesPlanner,
     Conformance,
-    CurrentTablesPlanner,
     Divergence,
     DivergenceError,
     Fault,
     Setup,
     random_run,
 )
-from kvstate.planner import Planner  # noqa: E402
 
 NO_AVAILABLE_HANDLE = -200
 TRANSFER_FAIL = -800
@@ -46,8 +46,8 @@ def runs() -> Iterator[Callable[..., Conformance]]:
     made: list[Conformance] = []
 
     def make(setup: Setup | None = None, variant: str = "e2",
-             faults: tuple[Fault, ...] = ()) -> Conformance:
-        run = Conformance(setup or Setup(), variant, faults)
+             faults: tuple[Fault, ...] = (), **options: Any) -> Conformance:
+        run = Conformance(setup or Setup(), variant, faults, **options)
         made.append(run)
         return run
 
@@ -414,14 +414,15 @@ def test_hybrid_prompt_then_decode_saves(runs, kv_events):
     """A 72-token prompt in one step, then decode saves: both groups store
     every chunk (each job is planned before its window blocks are freed), the
     window's events name group 1, and later jobs' tables show the blocks
-    vLLM freed as the null block (D8, compared after normalisation)."""
+    vLLM freed as the null block, in kvstate's as in upstream's (so D8's
+    normalisation never applies: F4's fix)."""
     run = runs(hybrid(save_decode_cache=True, kv_events=kv_events))
     run.add("a", prompt(72), max_tokens=30)
     run.steps(30)
     settle(run)
     run.assert_conforms()
     assert len(keys_of(run.store_up.objects, 0)) == len(keys_of(run.store_up.objects, 1)) == 6
-    assert run.normalised["window tables"] > 0
+    assert "window tables" not in run.normalised
     assert run.scheduler._pinned_saves == {}
     if kv_events:
         assert sorted(e[4] for e in run.published_upstream) == [0] * 6 + [1] * 6
@@ -434,8 +435,9 @@ def test_hybrid_chunked_prefill_frees_window_blocks_between_jobs(runs):
     settle(run)
     run.assert_conforms()
     # Later prefill jobs' window tables hold the blocks that left the window
-    # as the null block (upstream's view; kvstate's mirror still lists them).
-    assert run.normalised["window tables"] >= 1
+    # as the null block, kvstate's (told what vLLM freed) as upstream's: no
+    # D8 normalisation was needed.
+    assert "window tables" not in run.normalised
     assert len(keys_of(run.store_up.objects, 1)) == 4
 
 
@@ -518,8 +520,9 @@ def test_random_hybrid_schedules_conform_without_retries(seed):
     run.assert_conforms()
 
 
-# F4: a retry over chunks that left the window. Found by this harness; the
-# fix is in kvstate's planner (specs/conformance.md, F4).
+# F4: a retry over chunks that left the window. Found by this harness, fixed
+# in kvstate's planner (CachedRequest.freed_positions); the planner as it was,
+# AppendOnlyTablesPlanner, is the negative control (specs/conformance.md, F4).
 
 F4_SETUP = Setup(sliding_window=4, kv_events=True, chunk=32)
 F4_FAULTS = (Fault("put", 0, nth=1, code=TRANSFER_FAIL),)
@@ -530,14 +533,17 @@ def _f4_run(run: Conformance) -> None:
     run.steps(6)
 
 
-def test_f4_e2_reads_a_freed_window_block_on_a_retry(runs):
+def test_f4_the_append_only_planner_reads_a_freed_window_block_on_a_retry():
     """The first job's put fails; by the next job vLLM freed window chunk 0
     (it left the 4-token window) and gave its block to full attention's
     chunk 2. Upstream's retry skips the chunk (null in the current table);
-    e2's planner still lists the freed block and its rank stores that block's
-    bytes (full attention's chunk 2) under window chunk 0's key."""
-    run = runs(F4_SETUP, faults=F4_FAULTS)
-    _f4_run(run)
+    the planner as it was still lists the freed block and its rank stores
+    that block's bytes (full attention's chunk 2) under window chunk 0's key."""
+    run = Conformance(F4_SETUP, faults=F4_FAULTS, planner_cls=AppendOnlyTablesPlanner)
+    try:
+        _f4_run(run)
+    finally:
+        run.close()
     first = run.first_divergence
     assert first is not None and first.step == 2 and first.field == "store calls"
     assert run.f4_explains(first)
@@ -554,9 +560,8 @@ def test_f4_e2_reads_a_freed_window_block_on_a_retry(runs):
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["normalised", "strict-window-tables"])
-def test_f4_proposed_planner_fix_conforms(runs, strict):
-    run = Conformance(F4_SETUP, faults=F4_FAULTS, planner_cls=CurrentTablesPlanner,
-                      strict_window_tables=strict)
+def test_f4_e2_told_what_vllm_freed_conforms(runs, strict):
+    run = Conformance(F4_SETUP, faults=F4_FAULTS, strict_window_tables=strict)
     try:
         _f4_run(run)
         settle(run)
@@ -567,20 +572,28 @@ def test_f4_proposed_planner_fix_conforms(runs, strict):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_random_hybrid_schedules_diverge_only_by_f4(seed):
-    """With every fault and with lookups and evictions: e2 either conforms or
-    diverges first by F4, and the proposed planner fix conforms."""
-    run = random_run(seed, hybrid=True)
+def test_random_hybrid_schedules_conform_with_every_fault(seed):
+    """With every fault and with lookups and evictions: e2 conforms; the
+    planner as it was either conforms or diverges first by F4."""
+    random_run(seed, hybrid=True).assert_conforms()
+    run = random_run(seed, hybrid=True, planner_cls=AppendOnlyTablesPlanner)
     if run.first_divergence is not None:
         assert run.f4_explains(run.first_divergence), str(run.first_divergence)
-    random_run(seed, hybrid=True, planner_cls=CurrentTablesPlanner).assert_conforms()
 
 
 # Named differences.
 
 
-def test_d8_strict_window_tables_shows_the_mirror(runs):
-    run = Conformance(hybrid(chunk=16, kv_events=True), strict_window_tables=True)
+def test_d8_strict_window_tables_show_the_append_only_mirror_and_none_since_f4s_fix(runs):
+    """D8 was the planner's append-only mirror listing blocks vLLM freed;
+    told what vLLM freed, kvstate's tables equal upstream's strictly."""
+    fixed = runs(hybrid(chunk=16, kv_events=True), strict_window_tables=True)
+    fixed.add("a", prompt(72), max_tokens=2)
+    fixed.steps(7)
+    settle(fixed)
+    fixed.assert_conforms()
+    run = Conformance(hybrid(chunk=16, kv_events=True), strict_window_tables=True,
+                      planner_cls=AppendOnlyTablesPlanner)
     try:
         run.add("a", prompt(72), max_tokens=2)
         run.steps(7)
@@ -686,8 +699,7 @@ def test_group_rule_mutant_diverges_where_its_rule_lives(name, setup, faults, sc
     with pytest.raises(DivergenceError, match=name):
         run.assert_conforms()
     # ...and the same scenario conforms without the mutation.
-    base = CurrentTablesPlanner if issubclass(mutant.planner_cls, CurrentTablesPlanner) else Planner
-    control = Conformance(setup, "e2", faults, planner_cls=base)
+    control = Conformance(setup, "e2", faults)
     try:
         scenario(control)
     finally:

@@ -50,10 +50,12 @@ pins and reference counts (D8, ``strict_window_tables``), and the order of
 keys in one lookup call (D9). ``normalised`` counts how often D8 and D9 changed
 what was compared.
 
-F4 (kvstate's planner does not see vLLM free window blocks, so a retry reads a
-freed block) is not normalised: it diverges at the store calls, and
-``f4_explains`` names a divergence of its shape. `CurrentTablesPlanner` is
-the planner change that fixes it; `RULE_MUTANTS` break one group rule each.
+F4 (kvstate's planner did not see vLLM free window blocks, so a retry read a
+freed block) is fixed: the harness tells kvstate what each allocation freed
+(``CachedRequest.freed_positions``), as the connector does from vLLM's
+current tables. `AppendOnlyTablesPlanner` is the planner as it was, the
+negative control; ``f4_explains`` names a divergence of F4's shape.
+`RULE_MUTANTS` break one group rule each.
 
 A put that blocks is the one place where a send thread must be *inside* a store
 call while the engine keeps stepping. Upstream's job then runs on a helper thread
@@ -429,7 +431,11 @@ class Engine:
             elif er.status == "running":
                 computed = req.num_computed_tokens
                 n = min(self.chunk, req.num_tokens - computed)
+                before = self.tables(er.req_id)
                 new_blocks = self._allocate(er, n)
+                # What vLLM's sliding-window manager nulled (and freed) in
+                # this allocation: told to kvstate with the request.
+                freed = _freed_positions(before, self.tables(er.req_id))
                 num_scheduled[er.req_id] = n
                 cached_ids.append(er.req_id)
                 cached_computed.append(computed)
@@ -450,7 +456,7 @@ class Engine:
                 er.sent_hashes = len(req.block_hashes)
                 cached_ks.append(CachedRequest(
                     er.req_id, computed, tuple(req.all_token_ids[computed:computed + n]),
-                    tuple(tuple(t) for t in new_blocks), hashes))
+                    tuple(tuple(t) for t in new_blocks), hashes, freed))
         cached = CachedRequestData(
             req_ids=cached_ids, resumed_req_ids=resumed_ids,
             new_token_ids=[[] for _ in cached_ids], all_token_ids={},
@@ -690,24 +696,23 @@ class KvstateRank:
 # mutants (specs/conformance.md, "Two KV-cache groups").
 
 
-class CurrentTablesPlanner(Planner):
-    """F4's proposed planner change, for the harness to show what it fixes:
-    a job's tables are the engine's *current* tables (a sliding-window
-    group's blocks that left the window are the null block), as upstream's
-    ``_apply_current_save_block_ids`` makes them, not the planner's
-    append-only mirror. Jobs then neither read nor pin a block vLLM freed.
-    The harness sets ``current_tables`` every step; kvstate's ``Planner``
-    itself does not do this yet (its ``SchedulerStep`` carries no current
-    tables)."""
+def _freed_positions(before: Tables, after: Tables) -> tuple[tuple[int, ...], ...]:
+    """Per group, the positions that held a block before an allocation and
+    the null block after it (empty when none did)."""
+    freed = tuple(tuple(i for i, (b, a) in enumerate(zip(old, new))
+                        if b != NULL_BLOCK_ID and a == NULL_BLOCK_ID)
+                  for old, new in zip(before, after))
+    return freed if any(freed) else ()
 
-    current_tables: Mapping[str, Tables] = {}
 
-    def _maybe_save(self, tracker: Any, skip: bool, is_decode: bool, saves: list[Any],
-                    pins: list[int]) -> None:
-        tables = self.current_tables.get(tracker.req_id)
-        if tables is not None and len(tables) == len(tracker.block_ids):
-            tracker.block_ids = [list(t) for t in tables]
-        super()._maybe_save(tracker, skip, is_decode, saves, pins)
+class AppendOnlyTablesPlanner(Planner):
+    """F4 as found: the planner before it was told what vLLM freed
+    (``CachedRequest.freed_positions`` ignored), so its tables still list
+    the sliding-window blocks vLLM freed and a retry's job reads them. Kept
+    as the negative control of the fix."""
+
+    def _forget_freed(self, tracker: Any, freed: Sequence[Sequence[int]]) -> None:
+        pass
 
 
 class WindowLookupAsFull(Planner):
@@ -771,7 +776,7 @@ class WindowBlocksKeptOnRanks(FullMetadata):
     reads (and stores) a window block vLLM freed when it left the window.
     The rule lives in the metadata policy's ``resolve`` and the executor's
     null-block skip; it shows only where job tables carry the null block
-    (`CurrentTablesPlanner`). One instance per run (it holds the copies)."""
+    (as they do since F4's fix). One instance per run (it holds the copies)."""
 
     name = "full-keeping-freed-window-blocks"
 
@@ -820,8 +825,7 @@ RULE_MUTANTS: dict[str, RuleMutant] = {m.name: m for m in (
                executor_cls=KeyWithoutGroupExecutor),
     RuleMutant("window-stores-freed-blocks",
                "the skip of a window block vLLM freed (metadata resolve, Executor.start)",
-               "store calls", lambda: {"metadata": WindowBlocksKeptOnRanks()},
-               planner_cls=CurrentTablesPlanner),
+               "store calls", lambda: {"metadata": WindowBlocksKeptOnRanks()}),
     RuleMutant("window-events-as-group-0", "each event's group (Executor._events)",
                "emitted KV events", executor_cls=WindowEventsAsGroupZero),
     RuleMutant("window-blocks-unpinned", "every group's blocks pinned (the pin policy)",
@@ -978,8 +982,8 @@ class Conformance:
     """See the module docstring. ``variant`` is the kvstate protocol to compare
     (``e2`` by default; a mutant for negative controls); ``planner_cls`` and
     ``executor_cls`` replace kvstate's planner or executor by a patched one (the
-    group-rule mutants, `RULE_MUTANTS`, and F4's proposed fix,
-    `CurrentTablesPlanner`). ``strict_event_order`` also compares the order of
+    group-rule mutants, `RULE_MUTANTS`, and F4 as found,
+    `AppendOnlyTablesPlanner`). ``strict_event_order`` also compares the order of
     the events one step publishes, ``strict_window_tables`` the window group's
     blocks vLLM freed in job tables, pins and reference counts (two known,
     deliberate differences: specs/conformance.md, D1 and D8)."""
@@ -1067,8 +1071,6 @@ class Conformance:
         # Scheduler metadata.
         meta = self._guard(found, "build_connector_meta",
                            lambda: self.connector.build_connector_meta(sched.upstream))
-        if isinstance(self.planner, CurrentTablesPlanner):
-            self.planner.current_tables = sched.tables
         plan = self.planner.step(sched.kvstate)
         for b in plan.pins:
             self.ks_refs[b] = self.ks_refs.get(b, 0) + 1
@@ -1401,9 +1403,9 @@ def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2", *,
     40 tokens), and between steps both sides may look a prompt up or lose a
     stored chunk (an eviction from both stores). ``retries=False`` draws every
     fault that would fail a store call as a blocked put instead, so no job is
-    retried (a retry over blocks that left the window is F4, where ``e2``
-    diverges until its planner sees current tables; ``planner_cls`` may be
-    `CurrentTablesPlanner`, F4's proposed fix; ``executor_cls`` a patched
+    retried (a retry over blocks that left the window was F4, where
+    `AppendOnlyTablesPlanner` still diverges); ``planner_cls`` replaces the
+    planner (that one, say); ``executor_cls`` a patched
     executor, as `RuleMutant` has). A one-group seed draws the same schedule
     whatever these say."""
     import random
@@ -1485,15 +1487,15 @@ def random_run(seed: int, steps: int = 30, variant: str | Variant = "e2", *,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m adapters.vllm.conformance [--strict-event-order] [--hybrid
-    [--no-retries] [--current-tables]] [FIRST [LAST]]``: random schedules
+    [--no-retries] [--append-only]] [FIRST [LAST]]``: random schedules
     ``FIRST..LAST-1`` (``--hybrid``: with a sliding-window group, lookups and
-    evictions; ``--no-retries``: no store call fails; ``--current-tables``:
-    kvstate's planner with F4's proposed fix); prints the first divergence of
-    each failing seed. Exit 1 if any diverged."""
+    evictions; ``--no-retries``: no store call fails; ``--append-only``:
+    kvstate's planner as it was before F4's fix); prints the first divergence
+    of each failing seed. Exit 1 if any diverged."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
-    flags = {"--strict-event-order", "--hybrid", "--no-retries", "--current-tables"}
+    flags = {"--strict-event-order", "--hybrid", "--no-retries", "--append-only"}
     given = {a for a in args if a in flags}
     args = [a for a in args if a not in flags]
     first = int(args[0]) if args else 0
@@ -1503,7 +1505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = random_run(
             seed, strict_event_order="--strict-event-order" in given,
             hybrid="--hybrid" in given, retries="--no-retries" not in given,
-            planner_cls=CurrentTablesPlanner if "--current-tables" in given else Planner)
+            planner_cls=AppendOnlyTablesPlanner if "--append-only" in given else Planner)
         if run.first_divergence is not None:
             bad += 1
             print(f"seed {seed} ({run.setup}): {run.first_divergence}")
