@@ -308,6 +308,43 @@ def test_a_failed_load_of_a_hybrid_engine_is_told_per_request_and_computed_afres
 
 
 @slow
+def test_the_planner_is_told_each_window_block_vllm_frees(engines) -> None:
+    """vLLM's sliding-window manager nulls and frees a running request's
+    window blocks as its window moves; the connector reads what it nulled
+    from vLLM's current tables and tells the planner with the request
+    (``CachedRequest.freed_positions``, in the trace), each position once.
+    The trace then checks and replays (its planner nulls them too)."""
+    e = engines(save_decode_cache=True)
+    rig = e.engine()
+    rig.add("a", prompt(64, salt=21) + prompt(7, salt=22), max_tokens=40)
+    nulled: set[int] = set()
+    for _ in range(200):
+        rig.step()
+        if "a" in rig.finished:
+            break
+        nulled |= {i for i, b in enumerate(tables(rig, "a")[SWA]) if b == 0}
+    assert "a" in rig.finished
+    rig.drain()
+    rig.run()
+    trace = e.traces[0]
+    e.close()
+    told: list[int] = []
+    with open(trace) as lines:
+        for line in lines:
+            record = json.loads(line)
+            if record.get("type") != "StepScheduled":
+                continue
+            for cached in record["step"]["cached"]:
+                if cached["req_id"] == "a" and cached.get("freed_positions"):
+                    assert cached["freed_positions"][FULL] == []
+                    told.extend(cached["freed_positions"][SWA])
+    # A prefix of the table, from the left, as the window moved over 100+
+    # tokens of 16-token blocks (a 32-token window).
+    assert len(nulled) >= 3 and nulled == set(range(len(nulled)))
+    assert sorted(told) == sorted(nulled), "each freed position told once"
+
+
+@slow
 def test_the_fence_counts_a_window_block_freed_before_its_job_was_planned(
         engines, monkeypatch) -> None:
     """The default protocol plans a block's job in the step that computes

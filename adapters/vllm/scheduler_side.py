@@ -383,7 +383,6 @@ class SchedulerSide:
             return
         bs = self.config.block_size
         trackers = self.planner.trackers
-        holds = self.planner.variant.pins.holds  # a block the generation pins is safe
         freed = 0
         for save in plan.saves:
             current = state.get_block_ids(save.req_id)
@@ -394,8 +393,9 @@ class SchedulerSide:
                 mirror, now = tracker.block_ids[g], current[g]
                 for i in range(save.token_ids_start // bs, min(save.token_len // bs, len(mirror))):
                     block = mirror[i]
-                    if block != NULL_BLOCK_ID and (i >= len(now) or now[i] != block) \
-                            and not holds(tracker, i):
+                    # The job's own chunks: no earlier job pinned them, so
+                    # this plan's pin came after vLLM freed the block.
+                    if block != NULL_BLOCK_ID and (i >= len(now) or now[i] != block):
                         freed += 1
         if freed:
             if not self.fence_said:
