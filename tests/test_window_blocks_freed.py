@@ -37,10 +37,10 @@ from kvstate.records import (
     SaveMeta,
     SchedulerStep,
 )
-from kvstate.tables import JobState
-from kvstate.variants import DeltaMetadata, get_variant
 from kvstate.scenarios import prompt
+from kvstate.tables import JobState
 from kvstate.tracker import Tracker
+from kvstate.variants import DeltaMetadata, get_variant
 
 # Blocks of 4 tokens, a window of 8 (layer 1), stored prefixes aligned to 16.
 HYBRID = ConnectorConfig(block_size=4, world_size=2, alignment=16,
