@@ -52,6 +52,10 @@ class EventQuorum(Protocol):
     def request_finished(self, req_id: str) -> None:
         """The request finished: forget what its generations published."""
 
+    def batch_ended(self) -> None:
+        """The reports of one ``update_connector_output`` call (one engine
+        step) were all added."""
+
 
 class _GenerationEvents:
     __slots__ = ("ranks", "waiting", "published", "earlier")
@@ -182,27 +186,47 @@ class OrderedQuorum:
         """Requests whose published chunks are remembered."""
         return len(self._requests)
 
+    def batch_ended(self) -> None:
+        pass  # counts ranks, not reports: a rank's second report is not counted again
+
 
 class ValueCountQuorum:
-    """Upstream (vLLM 0.33.0): counts reports by event value, never forgets."""
+    """Upstream (vLLM 0.33.0): counts reports by event value, never forgets.
 
-    __slots__ = ("quorum", "_counts")
+    Upstream adds a whole step's reports to its ``Counter`` and then pops
+    each event that reached the quorum with every count it has: reports of
+    the same event beyond the quorum *within that step* are dropped with it
+    (an eviction makes a rank put a chunk again, so a step can hold more
+    reports of one event than there are ranks). Counting report by report,
+    an event is published when it reaches the quorum and its further
+    reports in the same step are swallowed until ``batch_ended``; a report
+    in a later step counts from one again (specs/conformance.md, F5)."""
+
+    __slots__ = ("quorum", "_counts", "_published")
 
     def __init__(self, config: Any) -> None:
         self.quorum: int = config.quorum
         self._counts: dict[BlockStored, int] = {}
+        self._published: set[BlockStored] = set()  # reached the quorum in this batch
 
     def add(self, gen: GenKey, rank: int, events: tuple[BlockStored, ...]) -> list[BlockStored]:
         published: list[BlockStored] = []
         counts = self._counts
+        done = self._published
         for event in events:
+            if event in done:
+                continue  # surplus of this batch: popped with the rest by upstream
             n = counts.get(event, 0) + 1
             if n >= self.quorum:
                 published.append(event)
                 counts.pop(event, None)
+                done.add(event)
             else:
                 counts[event] = n
         return published
+
+    def batch_ended(self) -> None:
+        self._published.clear()
 
     def generation_settled(self, gen: GenKey) -> int:
         return 0

@@ -709,6 +709,7 @@ class Planner:
                 tracker.outstanding -= 1
                 if tracker.ended and tracker.outstanding == 0:
                     dropped += self._settle_generation(tracker, releases)
+        self.quorum.batch_ended()
         return Settlement(tuple(releases), tuple(released), tuple(published), dropped,
                           tuple(violations), tuple(published_by))
 

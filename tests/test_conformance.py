@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import pytest
+
+from kvstate.events import ValueCountQuorum
+from kvstate.variants import Variant, get_variant
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -45,7 +49,7 @@ def prompt(n: int, base: int = 1) -> list[int]:
 def runs() -> Iterator[Callable[..., Conformance]]:
     made: list[Conformance] = []
 
-    def make(setup: Setup | None = None, variant: str = "e2",
+    def make(setup: Setup | None = None, variant: str | Variant = "e2",
              faults: tuple[Fault, ...] = (), **options: Any) -> Conformance:
         run = Conformance(setup or Setup(), variant, faults, **options)
         made.append(run)
@@ -624,12 +628,23 @@ def test_d7_retention_interval_zero_stores_only_the_replay_tail_upstream(runs):
     assert len(keys_of(run.store_up.objects, 0)) == len(keys_of(run.store_ks.objects, 0)) == 4
 
 
-def test_f5_a_report_beyond_the_quorum_in_its_step(runs):
-    """Found with evictions (any number of groups): upstream pops an event
-    that reached its quorum with every count of the step's batch, e2's
-    ValueCountQuorum counts reports one by one and keeps the surplus, so a
-    later report of the same chunk publishes it again in e2 only."""
-    run = runs(Setup(world_size=2, kv_events=True))
+class ReportByReportQuorum(ValueCountQuorum):
+    """F5 as found: an event is popped when it reaches the quorum and a
+    surplus report of the same step starts counting it again."""
+
+    def batch_ended(self) -> None:
+        pass
+
+    def add(self, gen, rank, events):
+        published = super().add(gen, rank, events)
+        self._published.clear()  # forget at once: the next report counts anew
+        return published
+
+
+def _f5_run(run: Conformance) -> None:
+    """Found with evictions (any number of groups): TP 2, rank 0 puts an
+    evicted chunk again in the step rank 1 first reports it (3 reports of
+    one event in one step), then rank 1 puts it again after an eviction."""
     run.add("a", prompt(32), max_tokens=1)
     run.step(jobs={0: ALL})  # rank 0 reports a's two chunks; rank 1 lags
     chunk0 = run.engine.requests["a"].req.block_hashes[0].hex()
@@ -644,7 +659,21 @@ def test_f5_a_report_beyond_the_quorum_in_its_step(runs):
     run.evict_keys(key(1))
     run.add("c", prompt(32) + prompt(16, base=950), max_tokens=1)
     run.step()  # rank 1 puts it again: one more report
-    first = run.first_divergence
+
+
+def test_f5_a_report_beyond_the_quorum_in_its_step_is_dropped_as_upstream_drops_it(runs):
+    """Upstream pops an event that reached its quorum with every count of
+    the step's batch; e2's quorum swallows the step's surplus reports the
+    same way and conforms. Counting report by report (F5 as found), the
+    surplus starts a new count and a later report of the same chunk
+    publishes it again."""
+    run = runs(Setup(world_size=2, kv_events=True))
+    _f5_run(run)
+    run.assert_conforms()
+    found = runs(Setup(world_size=2, kv_events=True),
+                 attrs.evolve(get_variant("e2"), quorum=ReportByReportQuorum))
+    _f5_run(found)
+    first = found.first_divergence
     assert first is not None and first.field == "published KV events"
     extra = list(first.kvstate)
     for event in first.upstream:

@@ -156,3 +156,19 @@ def test_event_quorum_counts_distinct_ranks_orders_parents_and_forgets() -> None
     assert upstream.add(gen, 0, (_event(1, None),)) == [_event(1, None)]  # early: S16
     upstream.add(gen, 0, (_event(3, 2),))
     assert upstream.generation_settled(gen) == 0 and upstream.pending() == 1  # leaks
+
+
+def test_upstreams_quorum_drops_an_events_surplus_reports_of_the_step_it_published() -> None:
+    """Upstream adds a step's reports to its counter and pops what reached
+    the quorum with every count (F5): an eviction made rank 0 put chunk 1
+    again, so the step holds three reports of it; the surplus goes with the
+    pop, and rank 1's report in a later step starts a count of one."""
+    upstream = ValueCountQuorum(ConnectorConfig(world_size=2))
+    gen, event = ("a", 1), _event(1, None)
+    step = [upstream.add(gen, rank, (event,)) for rank in (0, 1, 0)]
+    assert step == [[], [event], []]
+    upstream.batch_ended()
+    assert upstream.pending() == 0
+    assert upstream.add(gen, 1, (event,)) == []  # counted as one: not published again
+    upstream.batch_ended()
+    assert upstream.pending() == 1
