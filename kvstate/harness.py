@@ -387,7 +387,7 @@ class Harness:
         for g, (spec, table) in enumerate(zip(self.config.groups, req.blocks)):
             if spec.sliding_window is None:
                 continue
-            skipped = min(max(0, req.computed - spec.sliding_window + 1) // bs, len(table))
+            skipped = min(_blocks_before_window(spec.sliding_window, req.computed, bs), len(table))
             removed: list[int] = []
             for pos in range(skipped - 1, -1, -1):
                 if table[pos] == NULL_BLOCK_ID:
@@ -502,7 +502,7 @@ class Harness:
         bs = self.config.block_size
         for spec, table in zip(self.config.groups, req.blocks):
             if spec.sliding_window is not None and not table:
-                table.extend([NULL_BLOCK_ID] * (max(0, hit - spec.sliding_window + 1) // bs))
+                table.extend([NULL_BLOCK_ID] * _blocks_before_window(spec.sliding_window, hit, bs))
 
     def _allocate(self, req: EngineRequest, external: int, load_async: bool) -> None:
         blocks = tuple(tuple(t) for t in req.blocks)
@@ -741,6 +741,13 @@ class Harness:
         quiet = Quiescent(held, tuple(leftovers))
         self.observe(quiet)
         return quiet
+
+
+def _blocks_before_window(window: int, computed: int, block_size: int) -> int:
+    """vLLM's ``SlidingWindowManager.get_num_skipped_tokens(computed) //
+    block_size``: the blocks wholly before the window of the first token to
+    compute, which the sliding-window group needs no more."""
+    return max(0, computed - window + 1) // block_size
 
 
 def _first_failed(req: EngineRequest, failed: set[int]) -> int:

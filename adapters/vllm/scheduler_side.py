@@ -432,6 +432,7 @@ class SchedulerSide:
             return sched
         trackers = self.planner.trackers
         cached: list[CachedRequest] = []
+        told = False
         for record in sched.cached:
             current = state.get_block_ids(record.req_id)
             tracker = trackers.get(record.req_id)
@@ -452,8 +453,10 @@ class SchedulerSide:
                 freed[g] = tuple(found)
             if any(freed):
                 record = attrs.evolve(record, freed_positions=tuple(freed))
+                told = True
             cached.append(record)
-        return attrs.evolve(sched, cached=tuple(cached))
+        # Most steps free nothing: the step is rebuilt only when one did.
+        return attrs.evolve(sched, cached=tuple(cached)) if told else sched
 
     # ------------------------------------------------------------------
     # update_connector_output.
