@@ -37,7 +37,7 @@ GROUPS: dict[str, int] = {
 }
 COMMANDS = ("sim.commands", "sim.cli")
 # The model checker's modules bottom up: each imports only those before it.
-MODELCHECK = ("model", "state", "visited", "frontier", "checkpoint", "compact", "search")
+MODELCHECK = ("model", "values", "visited", "frontier", "checkpoint", "compact", "search")
 
 
 def group_of(module: str) -> str | None:

@@ -129,7 +129,6 @@ def test_bad_checkpoints_are_usage_errors_that_say_what_is_wrong(tmp_path, capsy
         (["--resume", good, "--scope", "default"], "a checkpoint of scope 'tiny', not"),
         (["--resume", good, "--protocol", "e2"], "a checkpoint of protocol 'kvstate'"),
         (["--resume", good, "--no-reduction"], "--no-reduction would be another one"),
-        (["--resume", good, "--engine", "legacy"], "--resume needs the compact engine"),
         (["--scope", "all", "--checkpoint", good], "--checkpoint holds one search"),
         (["--scope", "tiny", "--checkpoint", str(tmp_path / "no" / "such.ckpt")],
          f"--checkpoint {tmp_path / 'no' / 'such.ckpt'}: no directory"),

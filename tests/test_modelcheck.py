@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import attrs
 import pytest
@@ -49,28 +50,32 @@ def test_the_tiny_scope_is_explored_exhaustively_without_violation() -> None:
     assert r.quiet_states > 0  # the liveness check at quiescence ran
 
 
-def test_a_state_survives_a_pickle_copy_unchanged_in_behaviour() -> None:
-    """The search copies states with pickle; an identity-keyed table (the
-    executor once keyed skipped entries by id()) would silently change
-    behaviour after a copy. Same random walk, with and without copies."""
+def test_a_state_survives_a_copy_unchanged_in_behaviour() -> None:
+    """The search copies states by rebuilding them from their values; an
+    identity-keyed table (the executor once keyed skipped entries by id())
+    would silently change behaviour after a copy. Same random walk, with and
+    without copies."""
     import random
+
+    from sim.explore.modelcheck.values import form_for
 
     # Walks run to the end and quiesce: the id()-keyed skip table showed as a
     # skipped entry left at quiescence in 2 of these 30 tiny walks.
     for scope in (TINY, REUSE):
+        form = form_for(scope, "kvstate", False, None)
         for seed in range(30):
             walks = []
             for copy in (False, True):
                 rng = random.Random(seed)
-                s = initial(scope, "kvstate", reduce=False)
+                s = form.loads(form.dumps(form.template)[1])
                 s.h.record = True
                 for _ in range(200):
                     actions = enabled(scope, s)
                     if not actions:
                         break
-                    if copy:
+                    if copy:  # the run's records are scratch: not in the value
                         log, times = s.h.log, s.h.times
-                        s = pickle.loads(pickle.dumps(s))
+                        s = form.loads(form.dumps(s)[1])
                         s.h.log, s.h.times = log, times
                     apply(scope, s, rng.choice(actions), set())
                 s.h.quiesce()
@@ -307,66 +312,83 @@ def test_bench_tools_gives_the_same_rows_with_two_workers(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The compact engine against the legacy loop (issue 11): same verdicts, same
-# state counts, same shortest counterexamples.
+# The value engine against the pickle engine it replaced (issue 30). The
+# pickle engine keyed a state by a pickled digest, which told apart states
+# that are equal as values (equal strings that were one object in one state
+# and two in another); tests/data/modelcheck_reference.py (commit 57d0b72,
+# deleted with the pickle engine after it had run) ran it on this
+# matrix and grouped its states by value key before it was deleted. The
+# value engine must visit exactly those groups (states, transitions out of
+# them, quiet ones) and find the same shortest counterexamples.
+
+REFERENCE = json.loads((Path(__file__).resolve().parent / "data"
+                        / "modelcheck_reference.json").read_text())["rows"]
+_REFERENCE_SCOPES = {**SCOPES, "twins-1": TWINS_ONE_RANK, "two-ranks": TWO_RANKS}
+
+
+def _row_id(row: dict) -> str:
+    return (f"{row['scope']}-{row['protocol']}{'-own' if row['only'] else ''}"
+            f"{'' if row['reduce'] else '-unreduced'}")
+
+
+def test_the_reference_covers_every_variant_and_scope() -> None:
+    assert {r["protocol"] for r in REFERENCE} == set(VARIANTS)
+    exhaustive = {r["scope"] for r in REFERENCE if r["protocol"] == "kvstate"}
+    assert set(SCOPES) - exhaustive == {"decode2", "reuse2", "pd-decode", "upstream", "large",
+                                        "three-ranks"}
+    assert all(row["legacy"]["exhaustive"] == ("values" in row) for row in REFERENCE)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", sorted(SCOPE_FINDS))
-def test_compact_engine_agrees_with_legacy_on_every_variant(variant: str) -> None:
+@pytest.mark.parametrize("row", REFERENCE, ids=_row_id)
+def test_the_value_engine_agrees_with_the_pickle_engine(row: dict) -> None:
+    scope = _REFERENCE_SCOPES[row["scope"]]
+    only = tuple(row["only"]) if row["only"] else None
+    small = row["legacy"]["states"] < 5_000
+    for workers in (1, 2) if small else (1,):
+        r = check(scope, row["protocol"], out_dir=None, only=only, reduce=row["reduce"],
+                  workers=workers)
+        if "values" in row:
+            assert r.exhaustive and r.ok, (row["scope"], workers)
+            assert {"states": r.states, "transitions": r.transitions,
+                    "quiet_states": r.quiet_states} == row["values"], workers
+            assert r.states <= row["legacy"]["states"]
+        else:
+            assert r.violation is not None, workers
+            found = (r.violation.invariant, [list(a) for a in r.violation.actions])
+            assert found == (row["violation"]["invariant"], row["violation"]["actions"])
+
+
+@pytest.mark.slow
+def test_three_ranks_with_striding_are_exhaustive_for_kvstate(tmp_path) -> None:
+    """Issue 30's new shape: three ranks, each chunk stored by one of them,
+    decode-phase saves and a -200 per path; kvstate survives every path, and
+    a variant whose bug the shape can show is found with a replayable trace."""
     from kvstate.invariants import broken_by
 
-    own = broken_by(variant)
-    for scope, only in ((SCOPES[SCOPE_FINDS[variant]], own), (TINY, None)):
-        legacy = check(scope, variant, engine="legacy", out_dir=None, only=only)
-        compact = check(scope, variant, engine="compact", out_dir=None, only=only)
-        assert compact.outcome == legacy.outcome, (variant, scope.name)
+    r = check(SCOPES["three-ranks"], "kvstate", out_dir=None, workers=2)
+    assert r.exhaustive and r.ok and r.quiet_states > 0
+    assert r.states > 40_000
+    found = check(SCOPES["three-ranks"], "advance-offset-on-failure", out_dir=str(tmp_path),
+                  only=broken_by("advance-offset-on-failure"))
+    assert found.violation is not None and found.violation.trace is not None
+    assert replay_trace(found.violation.trace).ok
 
 
-# (TWO_RANKS is left to the prefix test below: its legacy run alone takes ~25 s.)
 @pytest.mark.slow
-@pytest.mark.parametrize("scope", [TINY, TWINS_ONE_RANK], ids=lambda s: s.name)
-def test_compact_engine_agrees_with_legacy_exhaustively(scope: Scope) -> None:
-    legacy = check(scope, "kvstate", engine="legacy", out_dir=None)
-    assert legacy.exhaustive
-    for workers in (1, 2):
-        compact = check(scope, "kvstate", engine="compact", workers=workers, out_dir=None)
-        assert compact.outcome == legacy.outcome, workers
-    if scope is TWINS_ONE_RANK:  # and without reductions
-        plain = check(scope, "kvstate", engine="legacy", out_dir=None, reduce=False)
-        assert check(scope, "kvstate", out_dir=None, reduce=False).outcome == plain.outcome
+def test_a_counterexample_found_with_workers_replays(tmp_path) -> None:
+    r = check(SCOPES["twins"], "save-on-loading-step", workers=2, out_dir=str(tmp_path))
+    assert r.violation is not None
+    assert r.violation.trace is not None and replay_trace(r.violation.trace).ok
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCOPES))
-def test_compact_engine_agrees_with_legacy_on_every_scope_prefix(name: str) -> None:
-    """The large scopes are too big for a test run of the legacy loop; both
-    engines visit states in the same order, so a state cap cuts both at the
-    same place and everything up to it must agree (workers included)."""
-    legacy = check(SCOPES[name], "kvstate", engine="legacy", out_dir=None, max_states=600)
-    for workers in (1, 2):
-        compact = check(SCOPES[name], "kvstate", engine="compact", workers=workers,
-                        out_dir=None, max_states=600)
-        assert compact.outcome == legacy.outcome, (name, workers)
-
-
-@pytest.mark.slow
-def test_compact_engine_counterexample_with_workers_replays(tmp_path) -> None:
-    legacy = check(SCOPES["twins"], "save-on-loading-step", engine="legacy", out_dir=None)
-    r = check(SCOPES["twins"], "save-on-loading-step", workers=2, out_dir=str(tmp_path))
-    assert r.violation is not None and legacy.violation is not None
-    assert r.violation.actions == legacy.violation.actions
-    assert r.violation.trace is not None and replay_trace(r.violation.trace).ok
-
-
-def test_the_compact_digest_writes_the_legacy_bytes_on_random_walks() -> None:
-    """Same digest, byte for byte: the compact engine merges exactly the
-    states the legacy one merges (its reductions, its soundness argument)."""
-    from sim.explore.modelcheck.compact import fast_digest
-    from sim.explore.modelcheck.model import digest
-
-    for name, seed, s in _walks(seeds=4):
-        assert fast_digest(s) == digest(s), (name, seed)
+def test_every_scope_prefix_is_the_same_with_workers(name: str) -> None:
+    """A state cap cuts a search at the same place whatever the workers."""
+    one = check(SCOPES[name], "kvstate", out_dir=None, max_states=600)
+    two = check(SCOPES[name], "kvstate", workers=2, out_dir=None, max_states=600)
+    assert two.outcome == one.outcome
 
 
 def _walks(seeds: int, steps: int = 40):
@@ -379,7 +401,7 @@ def _walks(seeds: int, steps: int = 40):
 
 
 def _scramble_end_only_fields(s, rng) -> None:
-    """Overwrite every field the digest leaves out as read by `Monitor.end`
+    """Overwrite every field the state's key leaves out as read by `Monitor.end`
     alone (and the observation number) with garbage of the same type."""
     from sim.explore.modelcheck.model import END_ONLY_FIELDS
 
@@ -433,15 +455,17 @@ def _verdicts_with_and_without_scrambling(scope: Scope, protocol: str, seed: int
     return differences
 
 
-def _digest_after(scope: Scope, actions: list) -> bytes:
-    """The digest of the state ``actions`` (each enabled in turn) reach."""
-    from sim.explore.modelcheck.model import _symmetric, digest
+def _key_after(scope: Scope, actions: list) -> bytes:
+    """The key of the state ``actions`` (each enabled in turn) reach."""
+    from sim.explore.modelcheck.model import _symmetric
+    from sim.explore.modelcheck.values import form_for
 
-    s = initial(scope, "kvstate")
+    form = form_for(scope, "kvstate", True, None)
+    s = form.loads(form.dumps(form.template)[1])
     for action in actions:
         assert action in enabled(scope, s), (action, enabled(scope, s))
         apply(scope, s, action, _symmetric(scope))
-    return digest(s)
+    return form.key(s)
 
 
 def test_the_order_in_which_two_ranks_check_a_job_is_one_state() -> None:
@@ -450,15 +474,15 @@ def test_the_order_in_which_two_ranks_check_a_job_is_one_state() -> None:
     keeps the keys each rank checked (S9) as facts, not in arrival order."""
     scope = SCOPES["default"]
     both_checking = [("admit", 0), ("step",), ("rank", 0, "ok"), ("rank", 1, "ok")]
-    zero_first = _digest_after(scope, both_checking + [("rank", 0, "ok"), ("rank", 1, "ok")])
-    one_first = _digest_after(scope, both_checking + [("rank", 1, "ok"), ("rank", 0, "ok")])
+    zero_first = _key_after(scope, both_checking + [("rank", 0, "ok"), ("rank", 1, "ok")])
+    one_first = _key_after(scope, both_checking + [("rank", 1, "ok"), ("rank", 0, "ok")])
     assert zero_first == one_first
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", list(VARIANTS))
-def test_fields_the_digest_leaves_out_decide_no_verdict(protocol: str) -> None:
-    """The digest leaves out the monitor's step bookkeeping and observation
+def test_fields_the_key_leaves_out_decide_no_verdict(protocol: str) -> None:
+    """The key leaves out the monitor's step bookkeeping and observation
     number (sim/explore/modelcheck/model.py, "What only the end of a trace reads"): sound
     only while no checker but `Monitor.end` reads them. Random walks on every
     scope, each action taken twice, once with those fields scrambled: the
@@ -490,8 +514,8 @@ def test_the_scrambling_test_catches_a_checker_that_reads_a_left_out_field(
 
 @pytest.mark.slow
 def test_state_counts_do_not_depend_on_the_string_hash_seed() -> None:
-    """Sets of strings iterate in an order set by PYTHONHASHSEED; the digest
-    once pickled them as they iterated, and `twins` counted 1,549, 2,015 or
+    """Sets of strings iterate in an order set by PYTHONHASHSEED; the pickled
+    digest the key replaced once wrote them as they iterated, and `twins` counted 1,549, 2,015 or
     2,123 states by the seed. Two processes, two seeds, one count."""
     import os
     import subprocess
@@ -509,34 +533,8 @@ def test_state_counts_do_not_depend_on_the_string_hash_seed() -> None:
     assert len(counts) == 1, counts
 
 
-def test_no_set_of_strings_or_tuples_reaches_the_digest_unordered() -> None:
-    """Every set the digest meets in iteration order must hold only ints or
-    int subclasses (their order is the same in every process); a set of
-    strings or tuples inside a type missing from EXCLUDED_FIELDS would make
-    counts depend on the hash seed again. Random walks on every scope, every set checked."""
-    import io
-
-    from sim.explore.modelcheck.compact import FastCanonicalPickler
-    from sim.explore.modelcheck.model import _constants
-
-    class Spy(FastCanonicalPickler):
-        unordered: list = []
-
-        def persistent_id(self, obj):
-            # ints (and the int subclasses: block ids, job numbers) hash to
-            # themselves, so their sets iterate alike in every process
-            if type(obj) in (set, frozenset) and not all(isinstance(x, int) for x in obj):
-                self.unordered.append(sorted(map(repr, obj))[:3])
-            return None
-
-    for _, _, s in _walks(seeds=3):
-        h = s.h
-        Spy(io.BytesIO(), _constants(s)).dump((h.planner, h.ranks, h.store, h.monitor))
-    assert Spy.unordered == []
-
-
 # ---------------------------------------------------------------------------
-# Dicts the digest writes sorted (UNORDERED_FIELDS): nothing may read their order.
+# Dicts the key writes sorted (UNORDERED_FIELDS): nothing may read their order.
 
 _ORDER_FREE_METHODS = frozenset({"get", "pop", "setdefault", "clear"})
 _ORDER_FREE_CALLS = frozenset({"len", "sorted", "bool", "min", "max", "set", "frozenset"})
@@ -547,9 +545,15 @@ _ORDER_READ_ELSEWHERE = {
     ("kvstate/scenarios.py", "objects", "evicted_and_reput"),
     # the Hypothesis state machine evicts the oldest key
     ("kvstate/testing.py", "objects", "ConnectorMachine.evict"),
-    # the simulator's capacity-bounded store (a subclass: the digest picks
-    # UNORDERED_FIELDS by exact type, so its dict is written in order)
+    # the simulator's capacity-bounded store (a subclass the model checker
+    # never holds: UNORDERED_FIELDS and the value form go by exact type)
     ("sim/simulator/store.py", "objects", "SimStore.evict_oldest"),
+    # the monitor's own ``current`` (request -> generation), not the
+    # harness's (the scan goes by attribute name); the value form writes the
+    # monitor's in order
+    ("kvstate/invariants.py", "current", "Monitor._on_Planned"),
+    # the derivation (kvstate/derive.py) is not run by the model checker
+    ("kvstate/derive.py", "current", "Derivation._on_Planned"),
 }
 
 
@@ -597,18 +601,19 @@ def _order_reading_uses(source: str, fields: set[str]) -> list[tuple[str, str]]:
     return found
 
 
-def test_no_code_reads_the_order_of_a_dict_the_digest_sorts() -> None:
-    """The digest writes the store's objects and the monitor's frontier
-    sorted; that is sound only while the code the model checker runs never
-    iterates them. Every module of kvstate and sim, parsed; the only uses that
-    read an order are the three listed (none run by the model checker)."""
+def test_no_code_reads_the_order_of_a_dict_the_key_sorts() -> None:
+    """The key writes the store's objects, the monitor's frontier and the
+    harness's current calls sorted; that is sound only while the code the
+    model checker runs never iterates them. Every module of kvstate and sim,
+    parsed; the only uses that read an order are the ones listed (none of
+    these dicts, or none run by the model checker)."""
     from pathlib import Path
 
     from sim.explore.modelcheck.model import UNORDERED_FIELDS
 
     root = Path(__file__).resolve().parent.parent
     fields = {name for names in UNORDERED_FIELDS.values() for name in names}
-    assert fields == {"objects", "frontier"}, "check the new field's uses here"
+    assert fields == {"objects", "frontier", "current"}, "check the new field's uses here"
     found = set()
     for top in ("kvstate", "sim"):
         for path in sorted((root / top).rglob("*.py")):
@@ -636,7 +641,7 @@ class Store:
 def _shuffle_unordered_dicts(s, rng) -> None:
     from sim.explore.modelcheck.model import UNORDERED_FIELDS
 
-    for obj in (s.h.store, s.h.monitor):
+    for obj in (s.h, s.h.store, s.h.monitor):
         for name in UNORDERED_FIELDS.get(type(obj), ()):
             items = list(getattr(obj, name).items())
             rng.shuffle(items)
@@ -645,14 +650,16 @@ def _shuffle_unordered_dicts(s, rng) -> None:
 
 def _futures_with_dicts_shuffled(scope: Scope, seed: int) -> list:
     """A random walk; before each action a copy gets its order-free dicts
-    shuffled; the action's findings and the digest after must not differ."""
-    from sim.explore.modelcheck.model import _symmetric, digest
+    shuffled; the action's findings and the key after must not differ."""
+    from sim.explore.modelcheck.model import _symmetric
+    from sim.explore.modelcheck.values import form_for
+
+    form = form_for(scope, "kvstate", True, None)
 
     symmetric = _symmetric(scope)
     differences = []
     for s, action, rng in _random_actions(scope, "kvstate", seed):
-        # Two copies (a copy can share objects differently from the state it
-        # came from, and the digest sees sharing), one of them shuffled.
+        # Two copies, one of them shuffled.
         blob = pickle.dumps(s)
         plain, twin = pickle.loads(blob), pickle.loads(blob)
         _shuffle_unordered_dicts(twin, rng)
@@ -662,14 +669,14 @@ def _futures_with_dicts_shuffled(scope: Scope, seed: int) -> list:
             state.h.monitor.findings.clear()
             apply(scope, state, action, symmetric)
             outcome.append(([(f.invariant, f.message) for f in state.h.monitor.findings],
-                            enabled(scope, state), digest(state)))
+                            enabled(scope, state), form.key(state)))
         if outcome[0] != outcome[1]:
             differences.append(action)
     return differences
 
 
 @pytest.mark.parametrize("name", ["default", "churn", "decode", "reuse2"])
-def test_shuffling_the_dicts_the_digest_sorts_changes_no_future(name: str) -> None:
+def test_shuffling_the_dicts_the_key_sorts_changes_no_future(name: str) -> None:
     for seed in range(4):
         assert _futures_with_dicts_shuffled(SCOPES[name], seed) == [], seed
 
@@ -688,9 +695,7 @@ def test_the_shuffling_test_catches_code_that_reads_the_store_order(monkeypatch)
                for name in ("default", "reuse2") for seed in range(4))
 
 
-def test_unknown_engine_and_bad_worker_counts_are_refused(capsys) -> None:
-    with pytest.raises(ValueError, match="engine"):
-        check(TINY, "kvstate", engine="nope")
+def test_bad_worker_counts_are_refused(capsys) -> None:
     with pytest.raises(ValueError, match="workers"):
         check(TINY, "kvstate", workers=0)
     with pytest.raises(SystemExit) as e:
@@ -699,18 +704,9 @@ def test_unknown_engine_and_bad_worker_counts_are_refused(capsys) -> None:
     capsys.readouterr()
 
 
-def test_the_legacy_loop_refuses_workers_rather_than_ignoring_them(capsys) -> None:
-    with pytest.raises(ValueError, match="compact engine"):
-        check(TINY, "kvstate", engine="legacy", workers=2)
-    assert main(["modelcheck", "--scope", "tiny", "--engine", "legacy",
-                 "--workers", "2"]) == 2
-    assert "--workers 2 needs the compact engine" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("argv,expected", [
     ([], 3),  # every core (the stand-in machine has 3)
     (["--workers", "1"], 1),
-    (["--engine", "legacy"], 1),
 ])
 def test_modelcheck_uses_every_core_unless_told(monkeypatch, capsys, argv, expected) -> None:
     import sim.explore.modelcheck.compact
@@ -772,18 +768,35 @@ def test_compact_engine_leaves_the_garbage_collector_as_it_found_it() -> None:
         gc.enable()
 
 
-def test_bench_modelcheck_reports_both_engines_on_the_same_states() -> None:
+def test_bench_modelcheck_reports_rates_and_phases_on_the_same_states() -> None:
     from sim.bench.modelcheck import bench_modelcheck
 
     figures = bench_modelcheck("tiny", max_states=300, workers=[2])
     # The cap is checked between expansions: the last state expanded may add
-    # a few successors past it (every engine the same, hence same_counts).
+    # a few successors past it (every run the same, hence same_counts).
     assert figures["same_counts"] and 300 <= figures["states"] < 320
-    assert figures["ratio_compact_w1_to_legacy"] > 0 and "ratio_compact_w2_to_legacy" in figures
+    assert figures["w1_states_per_s"] > 0 and figures["w2_states_per_s"] > 0
     # the phases of a transition: each took time, together not more than the run
-    shares = [figures[f"phase_{p}_share"] for p in ("copy", "step", "digest", "store")]
+    shares = [figures[f"phase_{p}_share"] for p in ("copy", "step", "key")]
     assert all(0 < x < 1 for x in shares) and sum(shares) <= 1
-    assert all(figures[f"phase_{p}_us_per_transition"] > 0 for p in ("copy", "step", "digest"))
+    assert all(figures[f"phase_{p}_us_per_transition"] > 0 for p in ("copy", "step", "key"))
+
+
+@pytest.mark.slow
+def test_bench_modelcheck_runs_another_revision_in_the_same_run() -> None:
+    """``--against REV``: that revision's model checker in a worktree, beside
+    this one; here the revision is this checkout's HEAD (a model checker
+    that counts the same states)."""
+    from sim.bench.modelcheck import bench_modelcheck
+
+    figures = bench_modelcheck("tiny", workers=[], against="HEAD")
+    assert figures["against_seconds"] > 0 and figures["ratio_time_to_exhaust"] > 0
+    assert figures["against_transitions"] > 0
+
+
+def test_bench_modelcheck_says_which_revision_it_cannot_check_out(capsys) -> None:
+    assert main(["bench", "modelcheck", "--quick", "--against", "no-such-revision"]) == 2
+    assert "--against no-such-revision: cannot check it out" in capsys.readouterr().err
 
 
 def test_a_timed_expander_explores_the_same_states() -> None:
@@ -965,10 +978,6 @@ def test_modelcheck_and_bench_tools_ray_without_ray_are_usage_errors(capsys,
     assert "pip install" in capsys.readouterr().err
     assert main(["bench", "tools", "--tool-protocol", "e1", "--ray", "local"]) == 2
     assert "pip install" in capsys.readouterr().err
-    assert main(["modelcheck", "--scope", "tiny", "--engine", "legacy", "--ray", "x"]) == 2
-    assert "--ray needs the compact engine" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="compact engine"):
-        check(TINY, "kvstate", engine="legacy", cluster=object())
 
 
 @pytest.mark.slow

@@ -1,63 +1,126 @@
-"""Model-checker throughput (issue 11: verification at scale): states a second
-and a CPU second."""
+"""Model-checker throughput (issues 11 and 30): states a second and a CPU
+second, where a transition's time goes, and, given a git revision, the same
+search by that revision's model checker in the same run."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from sim.bench.clock import cpu_seconds
 from sim.bench.visited import bench_visited
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def bench_modelcheck(scope: str = "default", max_states: int | None = 15_000,
-                     workers: Sequence[int] | None = None) -> dict[str, Any]:
-    """States per second of the legacy and the compact model-checker engine
-    on one scope, in the same run and on the same states (breadth-first order
-    is the same, so ``max_states`` cuts both at the same point); the compact
-    engine also with every core. Both must report the same counts."""
-    import os
+# What the other revision runs: its own `check` on the scope, one process.
+_BASELINE = """
+import json, sys, time
+from sim.explore.modelcheck.model import SCOPES
+from sim.explore.modelcheck.search import check
+scope, cap = sys.argv[1], json.loads(sys.argv[2])
+r = check(SCOPES[scope], "kvstate", max_states=cap, out_dir=None)
+print(json.dumps({"states": r.states, "transitions": r.transitions,
+                  "seconds": r.seconds, "exhaustive": r.exhaustive}))
+"""
 
+
+class BaselineError(RuntimeError):
+    """The revision to compare with could not be checked out or run."""
+
+
+def bench_modelcheck(scope: str = "default", max_states: int | None = None,
+                     workers: Sequence[int] | None = None,
+                     against: str | None = None) -> dict[str, Any]:
+    """States per second of the model checker on one scope: one process,
+    then ``workers`` processes (default: 2 and every core); the phases of a
+    transition (rebuilding the parent, the core's step, writing the child's
+    value); and with ``against`` (a git revision of this checkout) that
+    revision's model checker on the same scope, in a worktree of its own,
+    alternating with this one (best of two each), so both see the same
+    machine. Two engines may count the same scope in different numbers of
+    states (a coarser key merges more), so they are compared by the time
+    each takes to exhaust it (``max_states`` None) and by transitions a
+    second."""
+    from sim.explore.modelcheck.compact import TimedExpander, check_compact
     from sim.explore.modelcheck.model import SCOPES
     from sim.explore.modelcheck.search import check
 
     sc = SCOPES[scope]
-    runs: dict[str, Any] = {}
+    figures: dict[str, Any] = {"scope": scope, "max_states": max_states}
     counts = set()
-    plan = [("legacy", 1), ("compact", 1)]
-    for n in workers or sorted({2, os.cpu_count() or 1}):
-        if n > 1:
-            plan.append(("compact", n))
-    for engine, n in plan:
+    plan = [1, *[n for n in (workers or sorted({2, os.cpu_count() or 1})) if n > 1]]
+    for n in plan:
         cpu = cpu_seconds()
-        r = check(sc, "kvstate", engine=engine, workers=n, max_states=max_states, out_dir=None)
+        r = check(sc, "kvstate", workers=n, max_states=max_states, out_dir=None)
         cpu = cpu_seconds() - cpu
         counts.add((r.states, r.transitions, r.quiet_states, r.exhaustive))
-        runs[f"{engine}_w{n}"] = {"states": r.states, "transitions": r.transitions,
-                                  "seconds": round(r.seconds, 2),
-                                  "states_per_s": round(r.states_per_second),
-                                  "states_per_cpu_s": round(r.states / cpu) if cpu else 0}
-    # Where a compact transition's time goes: one more one-worker run, its
-    # phases timed (the timers cost a few per cent, so it is not one of the
-    # rates above).
-    from sim.explore.modelcheck.compact import TimedExpander, check_compact
-
+        figures[f"w{n}_states_per_s"] = round(r.states_per_second)
+        figures[f"w{n}_states_per_cpu_s"] = round(r.states / cpu) if cpu else 0
+        if n == 1:
+            figures.update(states=r.states, transitions=r.transitions,
+                           exhaustive=r.exhaustive, w1_seconds=round(r.seconds, 2),
+                           w1_transitions_per_s=round(r.transitions / r.seconds)
+                           if r.seconds else 0)
+    # Where a transition's time goes: one more one-process run, its phases
+    # timed (the timers cost a few per cent, so it is not one of the rates).
     timed = TimedExpander(sc, "kvstate", True, None)
     r = check_compact(sc, "kvstate", max_states=max_states, out_dir=None, expander=timed)
     counts.add((r.states, r.transitions, r.quiet_states, r.exhaustive))
-    legacy = runs["legacy_w1"]["states_per_s"] or 1
-    figures: dict[str, Any] = {"scope": scope, "max_states": max_states,
-                               "same_counts": len(counts) == 1}
+    figures["same_counts"] = len(counts) == 1
     for phase, seconds in timed.seconds.items():
         figures[f"phase_{phase}_share"] = round(seconds / r.seconds, 3) if r.seconds else 0.0
         figures[f"phase_{phase}_us_per_transition"] = round(
             seconds / max(timed.transitions, 1) * 1e6)
-    for name, row in runs.items():
-        figures[f"{name}_states_per_s"] = row["states_per_s"]
-        figures[f"{name}_states_per_cpu_s"] = row["states_per_cpu_s"]
-        if name != "legacy_w1":
-            figures[f"ratio_{name}_to_legacy"] = round(row["states_per_s"] / legacy, 2)
-    figures["states"] = runs["legacy_w1"]["states"]
-    figures["transitions"] = runs["legacy_w1"]["transitions"]
+    if against is not None:
+        figures.update(_against(against, scope, max_states))
     figures.update(bench_visited())
     return figures
+
+
+def _against(revision: str, scope: str, max_states: int | None) -> dict[str, Any]:
+    """``revision``'s model checker against this one, alternating, best of two."""
+    from sim.explore.modelcheck.model import SCOPES
+    from sim.explore.modelcheck.search import check
+
+    with tempfile.TemporaryDirectory(prefix="kvstate-baseline-") as tmp:
+        tree = Path(tmp) / "tree"
+        added = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach",
+                                str(tree), revision], capture_output=True, text=True)
+        if added.returncode != 0:
+            raise BaselineError(f"--against {revision}: cannot check it out here "
+                                f"({added.stderr.strip() or 'git failed'})")
+        try:
+            ours, theirs = [], []
+            for _ in range(2):
+                r = check(SCOPES[scope], "kvstate", max_states=max_states, out_dir=None)
+                ours.append({"states": r.states, "transitions": r.transitions,
+                             "seconds": r.seconds, "exhaustive": r.exhaustive})
+                run = subprocess.run(
+                    [sys.executable, "-c", _BASELINE, scope, json.dumps(max_states)],
+                    cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                    capture_output=True, text=True)
+                if run.returncode != 0:
+                    raise BaselineError(f"--against {revision}: its model checker failed: "
+                                        f"{run.stderr.strip().splitlines()[-1:]}")
+                theirs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(tree)], capture_output=True)
+    mine = min(ours, key=lambda x: x["seconds"])
+    base = min(theirs, key=lambda x: x["seconds"])
+    out = {"against": revision, "against_states": base["states"],
+           "against_transitions": base["transitions"],
+           "against_seconds": round(base["seconds"], 2), "ours_seconds": round(mine["seconds"], 2),
+           "against_transitions_per_s": round(base["transitions"] / base["seconds"]),
+           "ours_transitions_per_s": round(mine["transitions"] / mine["seconds"])}
+    out["ratio_transitions_per_s"] = round(out["ours_transitions_per_s"]
+                                           / max(out["against_transitions_per_s"], 1), 2)
+    if mine["exhaustive"] and base["exhaustive"]:
+        out["ratio_time_to_exhaust"] = round(base["seconds"] / mine["seconds"], 2)
+    return out

@@ -123,12 +123,18 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print("\n" + format_tools(tools))
     if "modelcheck" in parts:
-        from sim.bench.modelcheck import bench_modelcheck
+        from sim.bench.modelcheck import BaselineError, bench_modelcheck
 
-        report["modelcheck"] = bench_modelcheck(
-            "tiny" if args.quick else "default", max_states=None if args.quick else 15_000)
+        try:
+            report["modelcheck"] = bench_modelcheck(
+                args.scope or ("tiny" if args.quick else "default"), against=args.against)
+        except BaselineError as e:
+            raise UsageError(str(e)) from e
         if not args.json:
-            print("model checker, kvstate: legacy vs compact engine (same states, same run):")
+            print("model checker, kvstate: states/s with 1 and more processes, a "
+                  "transition's phases"
+                  + (f", and revision {args.against}'s model checker (same run)"
+                     if args.against else "") + ":")
             print(table([[k, str(v)] for k, v in report["modelcheck"].items()]))
     if "campaign" in parts:
         from sim.bench.campaign import bench_campaign
@@ -163,6 +169,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scopes() -> list[str]:
+    from sim.explore.modelcheck.model import SCOPES
+
+    return list(SCOPES)
+
+
 def register(sub: Any) -> None:
     parser = sub.add_parser("bench", help="benchmarks: core vs e2, simulator, memory")
     parser.add_argument("part", nargs="*", choices=("core", "sim", "memory", "variants",
@@ -185,6 +197,12 @@ def register(sub: Any) -> None:
                        help="for 'engine': the interpreter of the environment holding a "
                        "computing vLLM (default: $KVSTATE_ENGINE_PYTHON, else .venv-engine "
                        "beside the checkout, else this Python)")
+    parser.add_argument("--scope", default=None, choices=sorted(_scopes()),
+                       help="for 'modelcheck': the scope to exhaust (default: default; "
+                       "tiny with --quick)")
+    parser.add_argument("--against", metavar="REVISION", default=None,
+                       help="for 'modelcheck': also run this git revision's model checker "
+                       "on the scope, in a worktree, in the same run (e.g. HEAD~3)")
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     # Bounds (issue 32, class 2): the simulator's request bound, vLLM's
     # longest contexts (~10M tokens), a trace's world size.

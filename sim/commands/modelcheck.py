@@ -77,9 +77,6 @@ def _resumed(args: argparse.Namespace) -> Any:
     """The checkpoint ``--resume`` names, checked against the other options."""
     from sim.explore.modelcheck.checkpoint import CheckpointError, load
 
-    if args.engine == "legacy":
-        raise UsageError("--resume needs the compact engine; the legacy loop keeps no "
-                         "checkpoints")
     try:
         found = load(args.resume)
     except CheckpointError as e:
@@ -113,14 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if resume is None and any(n not in SCOPES for n in names):
         raise UsageError(f"unknown scope {scope_name!r}; known: all, {', '.join(SCOPES)}")
     protocols = [resume.protocol] if resume is not None else args.protocol or ["kvstate"]
-    if args.engine == "legacy" and args.workers not in (None, 1):
-        raise UsageError(f"--workers {args.workers} needs the compact engine; the legacy "
-                         "loop runs in one process")
-    if args.ray is not None and args.engine == "legacy":
-        raise UsageError("--ray needs the compact engine; the legacy loop runs in one process")
     if args.checkpoint is not None:
-        if args.engine == "legacy":
-            raise UsageError("--checkpoint needs the compact engine")
         if len(names) * len(protocols) != 1:
             raise UsageError("--checkpoint holds one search: give one --scope (not all) and "
                              "one --protocol")
@@ -133,9 +123,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             from sim.explore.modelcheck.compact import default_workers
 
-            workers = default_workers() if args.engine == "compact" else 1
-        if args.engine == "legacy":  # no stop to ask: Ctrl-C interrupts at once
-            return _check_all(args, names, protocols, workers, cluster, resume, None)
+            workers = default_workers()
         with _first_ctrl_c_stops() as stop:
             return _check_all(args, names, protocols, workers, cluster, resume, stop)
 
@@ -162,7 +150,7 @@ def _check_all(args: argparse.Namespace, names: list[str], protocols: list[str],
                 r = check(scope, protocol, budget=args.budget, max_states=args.max_states,
                           reduce=resume.reduce if resume is not None else not args.no_reduction,
                           only=resume.only if resume is not None else None,
-                          out_dir=args.out_dir, engine=args.engine, workers=workers,
+                          out_dir=args.out_dir, workers=workers,
                           cluster=cluster, stop=stop, checkpoint=checkpoint,
                           checkpoint_every=args.checkpoint_every, resume=resume,
                           progress=_on_report(args, bar) if bar.active else None)
@@ -244,12 +232,9 @@ def register(sub: Any) -> None:
     parser.add_argument("--require-exhaustive", action="store_true",
                     help="exit 1 if a budget stopped the search")
     parser.add_argument("--out-dir", default=".", help="where counterexample traces go")
-    parser.add_argument("--engine", choices=("compact", "legacy"), default="compact",
-                    help="compact (default) or legacy (the original loop, for comparison)")
     parser.add_argument("--workers", type=workers_int, default=None,
-                    help="processes expanding each breadth-first level (compact engine; "
-                    "default: every core; same states, counts and counterexamples for any "
-                    "number)")
+                    help="processes expanding each breadth-first level (default: every "
+                    "core; same states, counts and counterexamples for any number)")
     parser.add_argument("--ray", metavar="ADDRESS", default=None,
                     help="expand each level on a Ray cluster instead, an actor per CPU "
                     "(or --workers N actors): 'local' starts one here, else a cluster's "

@@ -9,8 +9,8 @@ order, so its whole state between two frontier states is plain data:
 * ``parents``: every key visited, with the key and action it was reached by
   (a `sim.explore.modelcheck.visited.Visited`, ~43 bytes a state; its order is the
   discovery order the workers are told);
-* ``rest``: the current level's states not expanded yet, as (key, pickled
-  state), in frontier order (a `sim.explore.modelcheck.frontier.Frontier`: in memory or on
+* ``rest``: the current level's states not expanded yet, as (key, stored
+  state: its value, `sim.explore.modelcheck.values`), in frontier order (a `sim.explore.modelcheck.frontier.Frontier`: in memory or on
   disk, streamed to and from the file record by record);
 * ``following``: the next level's states found so far (the same);
 * ``depth`` and the counters of the `sim.explore.modelcheck.model.Result` so far.
@@ -21,13 +21,13 @@ shortest counterexample as one that never stopped, whatever the number of
 workers on either side, and whether its levels were on disk or not
 (`tests/test_mc_checkpoint.py` interrupts searches every few dozen states
 and compares). The workers' own key sets are not saved: a
-worker knowing fewer keys only pickles more children, never other ones.
+worker knowing fewer keys only stores more children, never other ones.
 
-A checkpoint holds pickled core objects, so it only means something to the
-same code: it records `sim.explore.cluster.code_fingerprint` and refuses to resume
-under other sources (the states would load into other classes, and their
-digests would differ). Like every pickle, loading one runs code: resume only
-checkpoints you wrote. Files are written whole or not at all (a temporary
+A checkpoint's states are values of the core's classes, so it only means
+something to the same code: it records `sim.explore.cluster.code_fingerprint`
+and refuses to resume under other sources (the states would be rebuilt into
+other classes, and their keys would differ). The file itself is a pickle, and
+loading a pickle runs code: resume only checkpoints you wrote. Files are written whole or not at all (a temporary
 file beside it, then a rename), so a crash while writing leaves the previous
 checkpoint.
 
@@ -64,7 +64,9 @@ from sim.explore.modelcheck.visited import Visited
 
 # Bumped whenever the layout below changes meaning: an older file is refused
 # with both numbers rather than misread.
-FORMAT = 5
+FORMAT = 6
+# 6: states stored as values (sim.explore.modelcheck.values) under value
+#    keys; a format-5 file holds pickled states under pickled digests;
 # 5: the model checker's classes pickled at their sub-package paths
 #    (sim.explore.modelcheck.model.Scope, ...: issue 31); a format-4 file names
 #    sim.modelcheck, which no longer exists, and is refused by its number;

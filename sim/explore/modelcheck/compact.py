@@ -1,56 +1,46 @@
-"""The model checker's compact engine: the same search, cheaper per state.
+"""The model checker's engine: a level-synchronous breadth-first search.
 
-What a transition costs (measured with ``python -m cProfile`` and per-phase
-timers on the ``default`` scope, legacy engine, ~430 states/s): copying the
-parent (``pickle.loads``) ~40 %, the canonical digest ~35 %, pickling new
-states ~15 %, the core's own work (``apply``: engine step, planner, executor,
-monitor) ~10 %. A third of the copy and digest time was the cyclic garbage
-collector: every copied harness is a reference cycle (each executor's and the
-pool's ``observer`` is a bound method of the harness, the monitor's handler
-cache holds its own bound methods), so every discarded copy stayed alive
-until a collection, and each collection walked the growing search tables.
+What a transition costs (per-phase timers, ``kvstate bench modelcheck``):
+rebuilding the parent from its stored value (``copy``), the core's own work
+(``step``: `sim.explore.modelcheck.model.apply`, engine step, planner,
+executors, monitor), and writing the child's value (``key``: one walk gives
+the key and the stored bytes, `sim.explore.modelcheck.values`). The value
+walks are Python; the core's step is the floor (see "Speed" below).
 
-This engine changes *how* states are copied, stored and merged, never what a
-state is or how a successor is computed:
-
-* **No cyclic garbage.** A used copy's cycles are cut by hand (`discard`:
-  the harness's and the monitor's attribute dicts are cleared), so it dies by
-  reference counting; the cyclic collector is off during the search (on again
-  afterwards, and run every `COLLECT_EVERY` transitions in case some path
-  leaves a cycle uncut, so memory stays bounded).
-* **What every state shares is stored once** (`sim.explore.modelcheck.state`): the config,
-  the variant and what the harness, monitor, planner and executors derive
-  from them at construction are written as references to the search's
-  initial state, so copying a state loads ~25 % less and storing one writes
-  ~10 % less (a third fewer bytes).
+* **No cyclic garbage.** Every rebuilt harness is a reference cycle (each
+  executor's and the pool's ``observer`` is a bound method of the harness),
+  so a used copy's cycles are cut by hand (`discard`: the harness's and the
+  monitor's attribute dicts are cleared) and it dies by reference counting;
+  the cyclic collector is off during the search (on again afterwards, and run
+  every `COLLECT_EVERY` transitions in case some path leaves a cycle uncut,
+  so memory stays bounded).
 * **Level-synchronous breadth-first search.** The frontier is expanded one
   depth at a time; a level's states can be expanded by ``workers`` processes
   (`multiprocessing`, fork where available) or Ray actors on a cluster
-  (`_RayPool`), each a contiguous slice. A worker computes the digests the
-  parent would: nothing in a state may depend on the process that made it
-  (request names enter interned, see `sim.explore.modelcheck.model.apply`; a test
-  explores pickled copies of the scopes, as a spawned worker or an actor
-  gets them). The
-  parent merges their results *in frontier order*, exactly as the legacy FIFO
-  loop pops them, so the visited table fills in the same order: same state
-  counts, same first violation, same shortest counterexample, whatever the
-  number of workers. A worker pickles a child only if its digest was unknown
-  to it (the keys of earlier levels, sent with each level, and its own slice
-  so far); a child it skips is one the parent has already merged, because
-  everything a worker knows precedes that child in frontier order.
+  (`_RayPool`), each a contiguous slice. A worker computes the keys the
+  parent would: nothing in a state's value may depend on the process that
+  made it (a key is a function of the value; a test loads a state in a
+  process with another string-hash seed). The parent merges their results
+  *in frontier order*, so the visited table fills in the same order as one
+  process's FIFO: same state counts, same first violation, same shortest
+  counterexample, whatever the number of workers. A worker stores a child only if its
+  key was unknown to it (the keys of earlier levels, sent with each level,
+  and its own slice so far); a child it skips is one the parent has already
+  merged, because everything a worker knows precedes that child in frontier
+  order.
 
-The behaviour stays single-sourced: successors are `sim.explore.modelcheck.model.apply` on
-a real `kvstate.harness.Harness`, identity is `sim.explore.modelcheck.model.digest` (the
-same symmetry and counter reductions, whose soundness argument lives in that
-module's docstring), violations are the core monitor's findings.
+The behaviour stays single-sourced: successors are
+`sim.explore.modelcheck.model.apply` on a real `kvstate.harness.Harness`,
+identity is the value key (the symmetry and counter reductions, whose
+soundness argument lives in `sim.explore.modelcheck.model`'s docstring),
+violations are the core monitor's findings.
 
-Why not a hand-made compact value for the state: the ceiling is the core
-itself. ``apply`` alone costs ~85 microseconds a transition (2.2 transitions
-a state in ``default``), so even free copying and hashing would stop near
-5k states/s on one core; a faster state needs a faster core, and a second,
-checker-only encoding of every core object (planner, executors, ledgers,
-monitor: ~40 classes) would be the second copy of the protocol the design
-forbids. What is left is parallelism: states/s scale with ``workers``.
+Speed: the value form only names the core's fields (no second copy of the
+protocol), so a state is still a graph of core objects, rebuilt and walked
+once or twice a transition by Python code. That walk costs about what the
+core's own step does; what would make it cheap is a core whose state is
+immutable values (a transition then copies nothing it does not change).
+Until then, states/s scale with ``workers``.
 """
 
 from __future__ import annotations
@@ -71,25 +61,16 @@ from sim.explore.cluster import ClusterError, code_fingerprint, node_code
 from sim.explore.modelcheck.checkpoint import Checkpoint, probe, require_same, save
 from sim.explore.modelcheck.frontier import Frontier
 from sim.explore.modelcheck.model import (
-    EXCLUDED_FIELDS,
-    NO_FIELDS,
-    ORDINALS,
     Action,
-    BlockId,
-    CanonicalPickler,
-    RequestName,
     Result,
     Scope,
     System,
-    _field_state,
-    _key,
     _symmetric,
     apply,
-    digest,
     enabled,
     violation_at,
 )
-from sim.explore.modelcheck.state import codec_for
+from sim.explore.modelcheck.values import form_for
 from sim.explore.modelcheck.visited import KeySet, Visited
 
 # With the collector off, a cycle nobody cut would only be freed here.
@@ -111,74 +92,14 @@ def discard(s: System) -> None:
     h.__dict__.clear()
 
 
-class FastCanonicalPickler(CanonicalPickler):
-    """`CanonicalPickler` with one dictionary lookup by type per custom
-    object instead of a chain of tests: the same bytes (a test compares them
-    on random walks), so the same digests and the same state counts.
-
-    The legacy chain tests identity against the constants for every custom
-    object; the constants are of five known types (harness, config, variant,
-    pool, scripted answers), so only those types look there."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        handler = _DISPATCH.get(kind)
-        if handler is None:
-            return NotImplemented
-        if handler == 1:  # an ordinal
-            seen = self.ordinals[kind]
-            n = seen.get(obj)
-            if n is None:
-                n = seen[obj] = len(seen)
-            return int, (n,)
-        if handler == 2:  # excluded fields
-            return tuple, (_field_state(obj, EXCLUDED_FIELDS[kind],
-                                        self.unordered.get(kind, NO_FIELDS)),)
-        if handler == 3:  # a constant's type
-            tag = self.constants.get(id(obj))
-            return NotImplemented if tag is None else (str, (tag,))
-        if handler == 4:
-            return int, (self.block(obj),)
-        n = self.names.get(obj)
-        if n is None:
-            n = self.names[obj] = len(self.names)
-        return str, (f"r{n}",)
-
-
-def _constant_types() -> tuple[type, ...]:
-    from kvstate.block_pool import BlockPool
-    from kvstate.config import ConnectorConfig
-    from kvstate.harness import Harness
-    from kvstate.variants import Variant
-    from sim.explore.modelcheck.model import NextAnswers
-
-    return (Harness, ConnectorConfig, Variant, BlockPool, NextAnswers)
-
-
-_CONSTANT_TYPES = _constant_types()
-assert not set(_CONSTANT_TYPES) & (set(EXCLUDED_FIELDS) | set(ORDINALS) | {BlockId, RequestName})
-_DISPATCH: dict[type, int] = {
-    **{cls: 1 for cls in ORDINALS}, **{cls: 2 for cls in EXCLUDED_FIELDS},
-    **{cls: 3 for cls in _CONSTANT_TYPES}, BlockId: 4, RequestName: 5}
-
-
-def fast_digest(s: System) -> bytes:
-    """`sim.explore.modelcheck.model.digest`, byte for byte, with `FastCanonicalPickler`."""
-    return digest(s, FastCanonicalPickler)
-
-
-def state_key(s: System, reduce: bool) -> bytes:
-    return fast_digest(s) if reduce else _key(s, False)
-
-
 @attrs.frozen
 class Expanded:
     """One frontier state's successors, in `enabled` order.
 
-    ``children``: (action, child key, pickled child or None when the expander
+    ``children``: (action, child key, stored child or None when the expander
     already knew the key). ``violation``: (action, invariant, message) of the
     first transition that broke an invariant (its successors after it were not
-    taken, as in the legacy loop). ``quiet``: nothing but no-op steps were
+    taken, as one process's FIFO would). ``quiet``: nothing but no-op steps were
     enabled, so the quiescence check ran; ``quiet_violation`` its finding."""
 
     children: tuple[tuple[Action, bytes, bytes | None], ...]
@@ -188,10 +109,10 @@ class Expanded:
 
 
 class Expander:
-    """Computes `Expanded` for pickled states of one scope and protocol.
+    """Computes `Expanded` for stored states of one scope and protocol.
 
-    A transition's four phases are methods of their own (`copy`, `step`,
-    `key`, `store`) so that `TimedExpander` can time them
+    A transition's three phases are methods of their own (`copy`, `step`,
+    `key`) so that `TimedExpander` can time them
     (``kvstate bench modelcheck`` prints the shares)."""
 
     def __init__(self, scope: Scope, protocol: str, reduce: bool,
@@ -200,19 +121,17 @@ class Expander:
         self.reduce = reduce
         self.symmetric = _symmetric(scope) if reduce else set()
         self.transitions = 0
-        self.codec = codec_for(scope, protocol, reduce, only)
+        self.form = form_for(scope, protocol, reduce, only)
 
     def copy(self, blob: bytes) -> System:
-        return self.codec.loads(blob)
+        return self.form.loads(blob)
 
     def step(self, s: System, action: Action) -> None:
         apply(self.scope, s, action, self.symmetric)
 
-    def key(self, s: System) -> bytes:
-        return state_key(s, self.reduce)
-
-    def store(self, s: System) -> bytes:
-        return self.codec.dumps(s)
+    def key(self, s: System) -> tuple[bytes, bytes]:
+        """The state's key and its stored bytes: one walk makes both."""
+        return self.form.dumps(s)
 
     def expand(self, key: bytes, blob: bytes, seen: Collection[bytes]) -> Expanded:
         s = self.copy(blob)
@@ -232,14 +151,14 @@ class Expander:
                 first = findings[0]
                 discard(s)
                 return Expanded(tuple(children), (action, first.invariant, first.message))
-            child = self.key(s)
+            child, child_blob = self.key(s)
             if child != key:
                 moved = True
             if child in seen or child in fresh:
                 children.append((action, child, None))
             else:
                 fresh.add(child)
-                children.append((action, child, self.store(s)))
+                children.append((action, child, child_blob))
         discard(s)
         if moved:
             return Expanded(tuple(children))
@@ -260,14 +179,13 @@ class Expander:
 
 class TimedExpander(Expander):
     """An `Expander` that adds up the seconds of each phase of a transition:
-    copying the parent, the core's step, the canonical digest, pickling a
-    new state (the measurement behind "copy and digest cost more than the
-    core", kept runnable: ``kvstate bench modelcheck``)."""
+    rebuilding the parent, the core's step, writing the child's value (its
+    key and stored bytes): ``kvstate bench modelcheck`` prints them."""
 
     def __init__(self, scope: Scope, protocol: str, reduce: bool,
                  only: Sequence[str] | None) -> None:
         super().__init__(scope, protocol, reduce, only)
-        self.seconds = {"copy": 0.0, "step": 0.0, "digest": 0.0, "store": 0.0}
+        self.seconds = {"copy": 0.0, "step": 0.0, "key": 0.0}
 
     def copy(self, blob: bytes) -> System:
         started = time.perf_counter()
@@ -280,17 +198,11 @@ class TimedExpander(Expander):
         super().step(s, action)
         self.seconds["step"] += time.perf_counter() - started
 
-    def key(self, s: System) -> bytes:
+    def key(self, s: System) -> tuple[bytes, bytes]:
         started = time.perf_counter()
-        k = super().key(s)
-        self.seconds["digest"] += time.perf_counter() - started
-        return k
-
-    def store(self, s: System) -> bytes:
-        started = time.perf_counter()
-        blob = super().store(s)
-        self.seconds["store"] += time.perf_counter() - started
-        return blob
+        out = super().key(s)
+        self.seconds["key"] += time.perf_counter() - started
+        return out
 
 
 class _Collector:
@@ -332,7 +244,7 @@ class SliceWorker:
         try:
             with recording() if record else contextlib.nullcontext() as coverage:
                 out = expand_slice(self.expander, chunk, self.seen)
-            self.expander.codec.check_unchanged()
+            self.expander.form.check_unchanged()
             return SliceResult(out, frozenset(coverage.fired) if coverage is not None
                                else frozenset())
         except Exception:
@@ -393,7 +305,7 @@ class ActorLost(ClusterError):
 def expand_slice(expander: Expander, chunk: list[tuple[bytes, bytes]], seen: Any
                  ) -> list[Expanded]:
     """A contiguous slice of a level; ``seen`` (``in`` and ``update``) learns
-    the keys the slice pickles, so none is pickled twice within it."""
+    the keys the slice stores, so none is stored twice within it."""
     out = []
     for key, blob in chunk:
         e = expander.expand(key, blob, seen)
@@ -501,7 +413,7 @@ class _RayPool:
         share = min(1.0, cluster.cpus / workers)
         # An actor whose process or node dies is started again and its call
         # sent again. That is safe because what it loses is only what it was
-        # told: a worker that knows fewer keys pickles more children, never
+        # told: a worker that knows fewer keys stores more children, never
         # fewer (the fold keeps a child's blob only if its key is new), so
         # the result is the same (a test kills actors between levels).
         remote = cluster.ray.remote(num_cpus=share, max_restarts=ACTOR_RESTARTS,
@@ -564,16 +476,14 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
     result = Result(scope.name, protocol)
     if expander is None:
         expander = Expander(scope, protocol, reduce, only)
-    elif expander.codec is not codec_for(scope, protocol, reduce, only):
+    elif expander.form is not form_for(scope, protocol, reduce, only):
         raise ValueError("the expander was made for another scope, protocol, reduction or "
                          "invariant set")
     with _Collector():
         parents: Visited
         if resume is None:
-            # The codec's template is the initial state (stored, never stepped).
-            start = expander.codec.template
-            key = state_key(start, reduce)
-            blob = expander.codec.dumps(start)
+            # The form's template is the initial state (stored, never stepped).
+            key, blob = expander.form.dumps(expander.form.template)
             parents = Visited()
             parents.reach(key)
             level, following = Frontier([(key, blob)]), Frontier()
@@ -660,7 +570,7 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                     if stopped:
                         break
                 else:  # the level is done
-                    expander.codec.check_unchanged()
+                    expander.form.check_unchanged()
                     level.close()
                     level, following, depth = following, Frontier(), depth + 1
                     if checkpoint is not None and (
@@ -668,12 +578,12 @@ def check_compact(scope: Scope, protocol: str = "kvstate", *, budget: float | No
                         write(level, following)
                         last_saved = time.perf_counter()
         except BaseException:
-            expander.codec.changed()  # a spoiled template is not used again
+            expander.form.changed()  # a spoiled template is not used again
             raise
         finally:
             pool.close()
             result.workers = pool.started()
-    expander.codec.check_unchanged()
+    expander.form.check_unchanged()
     result.states = len(parents)
     result.seconds = before + time.perf_counter() - started
     result.exhaustive = not level and not following and result.violation is None
@@ -715,7 +625,7 @@ def _expanded(pool: _LazyPool, expander: Expander, level: Frontier,
               batch: list[tuple[bytes, bytes]], parents: Visited) -> Any:
     """A batch's results in frontier order: in this process when the level
     is too narrow to share (then each state sees every key merged before it,
-    the legacy loop's view), else on the pool, whose workers know the keys
+    one process's FIFO view), else on the pool, whose workers know the keys
     merged from the batches before. A batch is `BATCH` states a worker, so a
     budget or a stop is checked every few tenths of a second, not once a
     level."""
@@ -727,12 +637,9 @@ def _expanded(pool: _LazyPool, expander: Expander, level: Frontier,
 
 def _inline(expander: Expander, level: list[tuple[bytes, bytes]], parents: Visited) -> Any:
     """Expand lazily in this process: each state sees every key merged
-    before it (the legacy loop's view), so no child is pickled twice.
+    before it (one process's FIFO view), so no child is stored twice.
 
-    Every successor is computed on a fresh copy, never on the live child it
-    came from (tried: one copy less per state, but the digest then saw other
-    object sharing, e.g. one Ordinal object where a copy has two equal ones,
-    and the state counts drifted from the legacy engine's)."""
+    Every successor is computed on a fresh copy of its stored parent."""
     for key, blob in level:
         yield expander.expand(key, blob, parents)
 

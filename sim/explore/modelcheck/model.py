@@ -29,24 +29,28 @@ safety invariant is a violation; a state with nothing left to do (or nothing
 but no-op steps) gets the quiescence check, which is where leaked pins, ledger
 entries and unsettled jobs show.
 
-States are copied with ``pickle`` (C speed; every core object is plain data)
-and identified by a canonical digest computed by `CanonicalPickler`:
+States are stored, copied and identified as *values*
+(`sim.explore.modelcheck.values`): one walk over a state's fields writes
+nested tuples that ``marshal`` stores and a hash of which is the state's key;
+a state is rebuilt from its value for every transition. The key is a function
+of the state's value (equal strings that are one object or two give one key)
+and applies these reductions:
 
 * **Block-id symmetry.** Block ids are handed out as `BlockId` (an ``int``
-  subclass), so the pickler can rename them in order of first appearance; the
-  pool is written last, per renamed id, its free queue in order. Two states
-  that differ only by which physical blocks hold what get one digest.
+  subclass), so the key can number them in order of first appearance; the
+  pool is written last, per numbered id, its free queue in order. Two states
+  that differ only by which physical blocks hold what get one key.
 * **Request-id symmetry.** Scope requests with the same program (prompt, decode
   length, lookup) and no id reuse are interchangeable; their ids are handed out
-  as `RequestName` and renamed the same way, and decode tokens are derived from
-  the program, not the id (``token_seed``), so the renaming is a symmetry.
+  as `RequestName` and numbered the same way, and decode tokens are derived
+  from the program, not the id (``token_seed``), so the renaming is a symmetry.
 * **Counter abstraction.** Job ids, generations, planner step numbers and the
   monitor's observation index only ever grow and are only compared or tested
   for equality (data independence), so each is an `Ordinal` subclass and is
   written as its rank among the values present. Paths of different lengths
   that reach the same situation merge.
-* **Excluded fields.** Pure statistics and caches (counters, the monitor's
-  handler cache, the harness's clock) are left out; they never influence a
+* **Left-out fields.** Pure statistics and caches (counters, the monitor's
+  handler cache, the harness's records) are left out; they never influence a
   decision. Time is the harness's step count (`Tick`) with a backoff of one
   step, renamed by order like the counters.
 * **What only the end of a trace reads.** The monitor's step bookkeeping
@@ -57,34 +61,31 @@ and identified by a canonical digest computed by `CanonicalPickler`:
   left out. The monitor's observation number (``index``) is left out too: it
   only stamps findings, and no verdict reads it (the monitor keeps *when*
   comparisons as facts, see `kvstate.invariants`). `tests/test_modelcheck.py`
-  parses the monitor's source and fails if any other method starts reading
-  one of these fields.
+  scrambles these fields on random walks of every scope and protocol and
+  finds no verdict that changes.
+* **Dicts whose order nothing reads** (`UNORDERED_FIELDS`) are written sorted
+  by key; a test parses the sources for any code that iterates one.
 
-The renaming is *sound* (equal digests imply states equal up to a renaming
+The renaming is *sound* (equal keys imply states equal up to a renaming
 the code cannot observe) as long as the core never does arithmetic on these
 values beyond ``+ 1``; it is not complete (a dict filled in another order gives
-another digest), which only costs reduction. `tests/test_modelcheck.py`
+another key), which only costs reduction. `tests/test_modelcheck.py`
 checks that the reduced and unreduced explorations find the same verdicts.
+A rebuilt state keeps its own block ids, names and counter values (the stored
+value carries them beside the key's numbers), so what a search expands is a
+state some path reached, never a renamed one.
 
 Breadth-first order makes the first violation found a shortest one; it is
 replayed on a recording harness and written as a kvstate trace that
 ``kvstate replay`` and ``kvstate check`` accept.
 
-Two engines run this search. ``compact`` (the default, `sim.explore.modelcheck.compact`)
-expands the frontier a level at a time, optionally in worker processes, cuts
-each used copy's reference cycles instead of leaving them to the cyclic
-collector, and writes the digest below byte for byte with a faster pickler;
-``legacy`` is the original loop (`sim.explore.modelcheck.search`). They visit the same states
-in the same order: `tests/test_modelcheck.py` compares their verdicts, state
-and transition counts and counterexamples on every scope and variant. The
-renamings above, and so their soundness, are the same for both.
+The engine (`sim.explore.modelcheck.compact`) expands the frontier a
+level at a time, optionally in worker processes or Ray actors.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import pickle
 import sys
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -94,11 +95,8 @@ from typing import Any, cast
 import attrs
 
 from kvstate.config import ConnectorConfig, GroupKind, GroupSpec, Role
-from kvstate.events import _GenerationEvents, _RequestEvents
-from kvstate.executor import Executor
 from kvstate.harness import Harness
 from kvstate.invariants import Monitor, _Job
-from kvstate.ledger import CounterLedger, GenerationLedger, RequestIdLedger
 from kvstate.memory_store import MemoryStore, StoreRaised
 from kvstate.planner import Planner
 from kvstate.records import PutCall
@@ -163,120 +161,14 @@ END_ONLY_FIELDS: dict[type, frozenset[str]] = {
     _Job: frozenset({"step"}),
 }
 
-# Fields that are statistics or caches: they never decide anything, and keeping
-# them would make every path length a different state.
-EXCLUDED_FIELDS: dict[type, frozenset[str]] = {
-    Monitor: frozenset({"findings", "_handlers", "config", "enabled", "_prefixes",
-                        "index", *END_ONLY_FIELDS[Monitor]}),
-    _Job: END_ONLY_FIELDS[_Job],
-    MemoryStore: frozenset({"puts", "exists_keys", "answer"}),
-    Executor: frozenset({"clock", "observer", "config", "variant", "prefixes", "residues"}),
-    # Nothing left out: listed so that their sets of tuples or strings are
-    # written in order (`_ordered`; a test finds any set this list misses).
-    _GenerationEvents: frozenset(),
-    _RequestEvents: frozenset(),
-    GenerationLedger: frozenset(),
-    RequestIdLedger: frozenset(),
-    CounterLedger: frozenset(),
-}
-
 # Dicts no code the model checker runs iterates (see "Dicts whose order
 # nothing reads" above; a test parses the sources for any other use). The
-# digest writes them as items sorted by key. The classes must also be in
-# EXCLUDED_FIELDS (the pickler writes their fields one by one).
+# state's key writes them as items sorted by key.
 UNORDERED_FIELDS: dict[type, frozenset[str]] = {
     MemoryStore: frozenset({"objects"}),
     Monitor: frozenset({"frontier"}),
+    Harness: frozenset({"current"}),
 }
-assert set(UNORDERED_FIELDS) <= set(EXCLUDED_FIELDS)
-NO_FIELDS: frozenset[str] = frozenset()
-
-
-def _field_state(obj: Any, excluded: frozenset[str], unordered: frozenset[str] = NO_FIELDS
-                 ) -> tuple[tuple[str, Any], ...]:
-    """The object's fields but ``excluded``, sets sorted, the dicts named
-    in ``unordered`` as their items sorted by key."""
-    names = getattr(obj, "__dict__", None)
-    if unordered:  # two classes; the rest keep the one-pass path below
-        items = names.items() if names is not None else (
-            (k, getattr(obj, k)) for k in type(obj).__slots__)
-        return tuple((k, _sorted((key, _ordered(value)) for key, value in v.items())
-                      if k in unordered else _ordered(v)) for k, v in items if k not in excluded)
-    if names is not None:
-        return tuple((k, _ordered(v)) for k, v in names.items() if k not in excluded)
-    return tuple((k, _ordered(getattr(obj, k))) for k in type(obj).__slots__ if k not in excluded)
-
-
-def _ordered(value: Any) -> Any:
-    """A set (or a dict's set values) as a sorted tuple. A set of strings or
-    of tuples holding strings iterates in an order that depends on the
-    process's string-hash seed (``PYTHONHASHSEED``) and on its insertion
-    history; pickled as it iterates, two runs of one scope counted different
-    numbers of states (twins: 1,549, 2,015 or 2,123 by the seed). Sorting by
-    value makes the digest a function of the state alone."""
-    kind = type(value)
-    if kind is set or kind is frozenset:
-        return _sorted(value)
-    if kind is dict and value and type(next(iter(value.values()))) is set:
-        return {k: _sorted(v) if type(v) is set else v for k, v in value.items()}
-    return value
-
-
-def _sorted(items: Any) -> tuple[Any, ...]:
-    try:
-        return tuple(sorted(items))
-    except TypeError:  # mixed kinds (None beside a value): any fixed order will do
-        return tuple(sorted(items, key=repr))
-
-
-class CanonicalPickler(pickle.Pickler):
-    """Pickles a state with the renamings of the module docstring. Only ever
-    dumped to compute a digest; never loaded."""
-
-    def __init__(self, file: io.BytesIO, constants: dict[int, str],
-                 unordered: dict[type, frozenset[str]] | None = None) -> None:
-        super().__init__(file, protocol=5)
-        self.constants = constants  # id(object) -> tag: config, variant, harness, pool
-        # Dicts written sorted (the reduced digest: UNORDERED_FIELDS; the
-        # unreduced key keeps every order).
-        self.unordered = unordered if unordered is not None else {}
-        self.blocks: dict[int, int] = {}
-        self.names: dict[str, int] = {}
-        self.ordinals: dict[type, dict[int, int]] = {cls: {} for cls in ORDINALS}
-
-    def block(self, block: int) -> int:
-        n = self.blocks.get(block)
-        if n is None:
-            n = self.blocks[block] = len(self.blocks)
-        return n
-
-    def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is BlockId:
-            return int, (self.block(obj),)
-        if kind is RequestName:
-            n = self.names.get(obj)
-            if n is None:
-                n = self.names[obj] = len(self.names)
-            return str, (f"r{n}",)
-        seen = self.ordinals.get(kind)
-        if seen is not None:
-            n = seen.get(obj)
-            if n is None:
-                n = seen[obj] = len(seen)
-            return int, (n,)
-        tag = self.constants.get(id(obj))
-        if tag is not None:
-            return str, (tag,)
-        excluded = EXCLUDED_FIELDS.get(kind)
-        if excluded is not None:
-            return tuple, (_field_state(obj, excluded, self.unordered.get(kind, NO_FIELDS)),)
-        return NotImplemented
-
-    def order(self) -> tuple[tuple[int, ...], ...]:
-        """Per ordinal class, first-appearance numbers sorted by value: with
-        the renamed values this fixes the relative order, nothing more."""
-        return tuple(tuple(n for _, n in sorted(seen.items())) for seen in self.ordinals.values())
 
 
 # ---------------------------------------------------------------------------
@@ -408,6 +300,15 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
           "2.5 on a loaded one: 130,909 states)",
           (ScopeRequest("a", (1, 2, 3), decode=2), _A2), faults=1, evictions=0,
           preemptions=1, put_answers=("ok", "-200")),
+    # Three ranks (issue 30): every chunk's keys stored by one rank of
+    # three (put_step 3, MLA-style striding), decode-phase saves, a -200 per
+    # path. 44,114 states, exhaustive in ~50 s with 2 workers (measured:
+    # `kvstate modelcheck --scope three-ranks --workers 2`).
+    Scope("three-ranks", "3 ranks with striding (put_step 3: each chunk stored by one "
+          "rank), decode-phase saves, one -200 per path",
+          (ScopeRequest("a", (1, 2, 3, 4, 5, 6, 7), decode=2),), world_size=3, put_step=3,
+          num_blocks=6, token_budget=8, faults=1, evictions=0, preemptions=0,
+          put_answers=("ok", "-200")),
     Scope("large", "two ids, one reused, a decode step, a fault, an eviction, a preemption "
           "and an abort per path (millions of states: bug hunting with --budget)",
           (_A1, _B, _A2), faults=1, evictions=1, preemptions=1, aborts=1),
@@ -590,37 +491,6 @@ def random_walk(scope: Scope, seed: int, steps: int = 40, *, protocol: str = "kv
         yield s
 
 
-def _constants(s: System) -> dict[int, str]:
-    """Objects written as a tag: shared, immutable, or written separately."""
-    h = s.h
-    return {id(h): "harness", id(h.config): "config", id(h.variant): "variant",
-            id(h.pool): "pool", id(s.answers): "answers", id(h.monitor.config): "config"}
-
-
-def digest(s: System, pickler: type[CanonicalPickler] | None = None) -> bytes:
-    """The state's canonical digest; ``pickler``: a faster `CanonicalPickler`
-    writing the same bytes (`sim.explore.modelcheck.compact.FastCanonicalPickler`)."""
-    h = s.h
-    buf = io.BytesIO()
-    p = (pickler or CanonicalPickler)(buf, _constants(s), UNORDERED_FIELDS)
-    p.dump((
-        tuple(h.requests.items()), tuple(r.req_id for r in h.running),
-        tuple(r.req_id for r in h.waiting), h.outbox, tuple(sorted(h.current.items())),
-        h.planner, h.ranks, h.store, h.monitor, h.now,
-        s.admitted, s.faults, s.evictions, s.preemptions, s.aborts,
-    ))
-    pool = h.pool
-    for block in pool.free:
-        p.block(block)
-    by_canon = sorted((n, b) for b, n in p.blocks.items())
-    p.dump((
-        tuple((pool.refs[b], pool.content[b]) for _, b in by_canon),
-        tuple(p.block(b) for b in pool.free),
-        p.order(),
-    ))
-    return hashlib.blake2b(buf.getvalue(), digest_size=16).digest()
-
-
 # ---------------------------------------------------------------------------
 # The search.
 
@@ -667,21 +537,6 @@ class Result:
         v = self.violation
         return (self.states, self.transitions, self.quiet_states, self.depth, self.exhaustive,
                 None if v is None else (v.invariant, v.actions))
-
-
-def _key(s: System, reduce: bool) -> bytes:
-    if reduce:
-        return digest(s)
-    # Unreduced: the full state as pickled (the pool by block id), only
-    # statistics left out.
-    buf = io.BytesIO()
-    h = s.h
-    p = CanonicalPickler(buf, _constants(s))
-    p.dump((h.requests, [r.req_id for r in h.running], [r.req_id for r in h.waiting],
-            h.outbox, sorted(h.current.items()), h.planner, h.ranks, h.store, h.monitor,
-            h.now, h.pool.refs, h.pool.content, h.pool.free, s.admitted, s.faults, s.evictions,
-            s.preemptions, s.aborts))
-    return hashlib.blake2b(buf.getvalue(), digest_size=16).digest()
 
 
 def path_to(parents: Mapping[bytes, tuple[bytes, Action] | None], key: bytes) -> list[Action]:
@@ -740,4 +595,4 @@ def format_action(action: Action) -> str:
     return " ".join(map(str, action))
 
 
-__all__ = ["SCOPES", "BlockId", "Result", "Scope", "ScopeRequest", "digest"]
+__all__ = ["SCOPES", "BlockId", "Result", "Scope", "ScopeRequest"]

@@ -171,7 +171,7 @@ FORMS: dict[type, Form] = {
 # A scratch field of a class the template holds no instance of starts as this.
 SCRATCH_DEFAULTS: dict[tuple[type, str], Any] = {(_Job, "step"): 0}
 
-_LEAVES = frozenset({int, str, float, bool, bytes, type(None)})
+_LEAVES: frozenset[type] = frozenset({int, str, float, bool, bytes, type(None)})
 _ORDINAL_TAG = {cls: ORDINAL + k for k, cls in enumerate(ORDINALS)}
 _UNSET = object()
 _CONTAINERS = frozenset({list, dict, set, deque, Counter})
@@ -654,7 +654,7 @@ class ValueForm:
         asks for it the first time it meets the type)."""
         kind = type(x)
         if isinstance(x, enum.Enum):
-            for member in kind:  # type: ignore[attr-defined]
+            for member in kind:
                 self._enums[f"{_qualname(kind)}.{member.name}"] = member
             prefix = _qualname(kind)
 
