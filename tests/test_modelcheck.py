@@ -208,9 +208,9 @@ SCOPE_FINDS = {
 
 # The upstream shapes on two ranks (issue 11): the variants whose bug each
 # scope's ingredients can show, all found (measured: `kvstate modelcheck
-# --scope S --protocol V`). Not in any of them, by shape: save-on-loading-step,
-# lookup-first-namespace and swallow-load-errors need a second request loading
-# (`twins`, `load`), stride-by-relative-chunk needs put_step 2 (`mla`);
+# --scope S --protocol V`). save-on-loading-step, lookup-first-namespace and
+# swallow-load-errors need a second request loading (`load2`, and `twins`,
+# `load` on one rank); stride-by-relative-chunk needs put_step 2 (`mla`);
 # no-pins-on-preemption needs a preemption (not in `reuse2`), consumer-saves-
 # prefill a consumer (only `pd-decode`), and boundary-without-plus-one a decode
 # step that completes a block after the prompt's own (not in `decode2`).
@@ -225,6 +225,16 @@ UPSTREAM_SCOPE_FINDS = {
                "snapshot-from-zero"),
     "pd-decode": (*_TWO_RANK_FINDS, "no-pins-on-preemption", "boundary-without-plus-one",
                   "consumer-saves-prefill"),
+    # The load path on two ranks (issue 30): 15 of the 20, the three that need
+    # a load among them. Not there, by shape: no id is reused
+    # (req-id-counter-ledger, retry-keyed-by-request), nothing is preempted
+    # (no-pins-on-preemption), no consumer (consumer-saves-prefill), put_step 1
+    # (stride-by-relative-chunk).
+    "load2": ("e2", "e1", "e0", "delayed-free-at-finish", "parent-previous-emitted",
+              "missing-finally", "boundary-without-plus-one", "save-on-loading-step",
+              "consumer-without-backfill", "advance-offset-on-failure", "skip-exists-check",
+              "lookup-first-namespace", "swallow-load-errors", "snapshot-from-zero",
+              "key-without-rank"),
     # P/D with two groups and striding (issue 29): 15 of the 20. Not there,
     # by shape: a decode node looks nothing up and loads nothing
     # (save-on-loading-step, lookup-first-namespace, swallow-load-errors); with
@@ -335,7 +345,7 @@ def test_the_reference_covers_every_variant_and_scope() -> None:
     assert {r["protocol"] for r in REFERENCE} == set(VARIANTS)
     exhaustive = {r["scope"] for r in REFERENCE if r["protocol"] == "kvstate"}
     assert set(SCOPES) - exhaustive == {"decode2", "reuse2", "pd-decode", "upstream", "large",
-                                        "three-ranks"}
+                                        "three-ranks", "load2"}
     assert all(row["legacy"]["exhaustive"] == ("values" in row) for row in REFERENCE)
 
 

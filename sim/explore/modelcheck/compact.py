@@ -75,6 +75,11 @@ from sim.explore.modelcheck.visited import KeySet, Visited
 
 # With the collector off, a cycle nobody cut would only be freed here.
 COLLECT_EVERY = 20_000
+# New children an expander keeps live for their own expansion (`Expander.expand`):
+# a state is ~300 objects, ~30-60 KB live, so this bounds the memory at a few
+# tens of MB; the first states of each level are the ones kept, in frontier
+# order, the ones expanded first.
+LIVE = 512
 # Frontier states per worker and batch (a batch is ~0.1-0.3 s of work).
 BATCH = 64
 # Times a Ray actor is started again after its process or node died (then
@@ -122,6 +127,7 @@ class Expander:
         self.symmetric = _symmetric(scope) if reduce else set()
         self.transitions = 0
         self.form = form_for(scope, protocol, reduce, only)
+        self.live: dict[bytes, System] = {}
 
     def copy(self, blob: bytes) -> System:
         return self.form.loads(blob)
@@ -134,14 +140,25 @@ class Expander:
         return self.form.dumps(s)
 
     def expand(self, key: bytes, blob: bytes, seen: Collection[bytes]) -> Expanded:
-        s = self.copy(blob)
+        # A new child is kept live (up to `LIVE` of them) and stepped on for
+        # its own first action when it is expanded in turn, which saves
+        # rebuilding it once: its value is the stored one (a key is a
+        # function of the value, so nothing it holds by identity matters),
+        # only its scratch fields and the order of dicts nothing iterates may
+        # differ, which decide nothing (sim.explore.modelcheck.model).
+        s = self.live.pop(key, None)
+        if s is None:
+            s = self.copy(blob)
         actions = enabled(self.scope, s)
         children: list[tuple[Action, bytes, bytes | None]] = []
         fresh: set[bytes] = set()
         moved = False
+        kept = False
         for n, action in enumerate(actions):
             if n:
-                discard(s)
+                if not kept:
+                    discard(s)
+                kept = False
                 s = self.copy(blob)
             findings = s.h.monitor.findings
             findings.clear()
@@ -159,7 +176,11 @@ class Expander:
             else:
                 fresh.add(child)
                 children.append((action, child, child_blob))
-        discard(s)
+                if len(self.live) < LIVE:
+                    self.live[child] = s
+                    kept = True
+        if not kept:
+            discard(s)
         if moved:
             return Expanded(tuple(children))
         # Nothing left but no-op steps: the liveness check at quiescence.

@@ -300,6 +300,16 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
           "2.5 on a loaded one: 130,909 states)",
           (ScopeRequest("a", (1, 2, 3), decode=2), _A2), faults=1, evictions=0,
           preemptions=1, put_answers=("ok", "-200")),
+    # The load path among the upstream shapes (issue 30): on two ranks, a
+    # second request loads (asynchronously) the prefix the first stores with
+    # decode-phase saves; one fault per path, a -200 or a failed read.
+    # 88,698 states, exhaustive in ~2.5 minutes on one core (measured:
+    # `kvstate modelcheck --scope load2 --workers 1`).
+    Scope("load2", "a second request loads (asynchronously) the prefix the first stores "
+          "with decode-phase saves, on 2 ranks; one -200 or failed read per path",
+          (ScopeRequest("a", (1, 2, 3), decode=2),
+           ScopeRequest("b", (1, 2, 3), decode=1, load_async=True)),
+          faults=1, evictions=0, preemptions=0, put_answers=("ok", "-200")),
     # Three ranks (issue 30): every chunk's keys stored by one rank of
     # three (put_step 3, MLA-style striding), decode-phase saves, a -200 per
     # path. 44,114 states, exhaustive in ~50 s with 2 workers (measured:

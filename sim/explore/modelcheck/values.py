@@ -16,8 +16,10 @@ source of behaviour: the value form only names their fields.
 Every non-leaf node of a value is a tuple whose first item says what it is:
 an object is ``(class name, field values...)`` in a fixed field order, a
 container or a renamed value is ``(TAG, items...)`` with one of the small-int
-tags below. A leaf is a plain int, string, float, bytes, bool or ``None``,
-never a tuple, so nothing is ambiguous.
+tags below (a dict: its keys, then its values). A leaf is a plain int,
+string, float, bytes, bool or ``None``, never a tuple, so nothing is
+ambiguous; in a fixed field's place (below) a bare int is the index of a
+constant.
 
 **Sharing.** A mutable object (a core object, a list, dict, set, deque or
 Counter) met a second time is written as a reference to its first
@@ -96,8 +98,8 @@ from sim.explore.modelcheck.model import (
 
 # Node tags: the first item of a node that is not an object.
 TUPLE, LIST, DICT, SET, FROZENSET, DEQUE, COUNTER = range(7)
-REF, CONST, ENUM, BLOCK, NAME, METHOD, UNSET, POOL = range(7, 15)
-ORDINAL = 15  # ORDINAL + k: the k-th class of `ORDINALS`
+REF, CONST, ENUM, BLOCK, NAME, METHOD, UNSET, POOL, LEAF = range(7, 16)
+ORDINAL = 16  # ORDINAL + k: the k-th class of `ORDINALS`
 
 # ``marshal`` format 4 (Python 3.4+) writes a string met again in one value
 # as a back reference: https://docs.python.org/3/library/marshal.html
@@ -291,6 +293,17 @@ def _sorted(items: Any) -> list[Any]:
         return sorted(items, key=repr)
 
 
+def _fresh(default: Any, j: int) -> str:
+    """Source for a scratch field's value on rebuild: a new empty container
+    for an empty one, the template's value itself for an immutable one, else
+    a copy of it (``default{j}`` in the reader's namespace)."""
+    if type(default) in (list, dict, set, Counter, deque) and not default:
+        return f"{type(default).__name__}()"
+    if type(default) in _LEAVES or isinstance(default, (int, str, tuple, frozenset)):
+        return f"default{j}"
+    return f"copy(default{j})"
+
+
 def _sorted_items(d: dict[Any, Any]) -> list[tuple[Any, Any]]:
     try:
         return sorted(d.items(), key=_first)
@@ -309,9 +322,10 @@ class ValueForm:
     unordered dicts (off: the unreduced search, every order kept).
 
     Design note: each class gets a writer and a reader of its own, generated
-    from its `Form` the first time it is met (as attrs generates ``__init__``):
-    a walk that looks fields up by name in a loop cost about twice as much a
-    state (`kvstate bench modelcheck` prints the phases). A `ValueForm` is
+    from its `Form` the first time it is met (as attrs generates ``__init__``),
+    and every container's items are tested for leaves inline, so a call is
+    made per non-leaf node only (about 230 a state of ``default``, each
+    ~1 us; `kvstate bench modelcheck` prints the phases). A `ValueForm` is
     not thread-safe: the bookkeeping of one walk lives on it."""
 
     def __init__(self, template: System, reduce: bool) -> None:
@@ -474,12 +488,12 @@ class ValueForm:
             memo[ident] = len(memo)
             return (SET, *[v if type(v) in leaves else enc(v) for v in _sorted(x)])
 
+        # A dict is (tag, keys..., values...): two comprehensions, no loop
+        # over pairs (keys are all written before values, in both walks, so
+        # the references they number agree).
         def items(tag: int, x: dict[Any, Any]) -> Any:
-            out: list[Any] = [tag]
-            for k, v in x.items():
-                out.append(k if type(k) in leaves else enc(k))
-                out.append(v if type(v) in leaves else enc(v))
-            return tuple(out)
+            return (tag, *[k if type(k) in leaves else enc(k) for k in x],
+                    *[v if type(v) in leaves else enc(v) for v in x.values()])
 
         def w_dict(x: dict[Any, Any]) -> Any:
             ident = id(x)
@@ -504,11 +518,7 @@ class ValueForm:
             if ref is not None:
                 return (REF, ref)
             memo[ident] = len(memo)
-            out: list[Any] = [DICT]
-            for k, v in _sorted_items(x):
-                out.append(k if type(k) in leaves else enc(k))
-                out.append(v if type(v) in leaves else enc(v))
-            return tuple(out)
+            return items(DICT, dict(_sorted_items(x)))
 
         def w_block(x: Any) -> Any:
             n = blocks.get(x)
@@ -533,10 +543,9 @@ class ValueForm:
         constant_ids = self._constant_ids
 
         def w_fixed(x: Any) -> Any:
-            n = constant_ids.get(id(x))
-            if n is not None:
-                return (CONST, n)
-            return x if type(x) in leaves else enc(x)
+            """A fixed field that is not the template's: never a bare int
+            (that is a constant's index there)."""
+            return (LEAF, x) if type(x) in leaves else enc(x)
 
         writers.update({kind: same for kind in leaves})
         writers.update({tuple: w_tuple, frozenset: w_frozenset, list: w_list, deque: w_deque,
@@ -593,13 +602,14 @@ class ValueForm:
         def r_frozenset(x: Any) -> Any:
             return frozenset([v if type(v) is not tuple else dec(v) for v in x[1:]])
 
+        dict_update = dict.update
+
         def fill(out: dict[Any, Any], x: Any) -> dict[Any, Any]:
             rmemo.append(out)
-            it = iter(x)
-            next(it)
-            for k in it:
-                v = next(it)
-                out[k if type(k) is not tuple else dec(k)] = v if type(v) is not tuple else dec(v)
+            n = len(x) // 2 + 1
+            keys = [k if type(k) is not tuple else dec(k) for k in x[1:n]]
+            # (dict.update: a Counter's own would count the pairs)
+            dict_update(out, zip(keys, [v if type(v) is not tuple else dec(v) for v in x[n:]]))
             return out
 
         def r_dict(x: Any) -> Any:
@@ -629,6 +639,9 @@ class ValueForm:
         def r_method(x: Any) -> Any:
             return getattr(dec(x[1]), x[2])
 
+        def r_leaf(x: Any) -> Any:
+            return x[1]
+
         def r_bad(x: Any) -> Any:
             raise ValueFormError(f"a stored model-checker value holds an unknown node {x!r:.80}")
 
@@ -641,13 +654,14 @@ class ValueForm:
         for tag, reader in ((TUPLE, r_tuple), (LIST, r_list), (DICT, r_dict), (SET, r_set),
                             (FROZENSET, r_frozenset), (DEQUE, r_deque), (COUNTER, r_counter),
                             (REF, r_ref), (CONST, r_const), (ENUM, r_enum), (BLOCK, r_block),
-                            (NAME, r_name), (METHOD, r_method)):
+                            (NAME, r_name), (METHOD, r_method), (LEAF, r_leaf)):
             by_tag[tag] = reader
         for k in range(len(ORDINALS)):
             by_tag[ORDINAL + k] = r_ordinal(k)
         self._dec = dec
         self._names_for_readers = {"rmemo": rmemo, "dec": dec, "UNSET": UNSET,
-                                   "Counter": Counter, "deque": deque, "copy": copy.copy}
+                                   "Counter": Counter, "deque": deque, "copy": copy.copy,
+                                   "constants": constants}
 
     def _writer_for(self, x: Any) -> Callable[[Any], Any]:
         """The writer for ``x``'s type, made and kept (`_walk`'s ``enc``
@@ -726,7 +740,12 @@ class ValueForm:
                     parts.append(f"unordered(v{i})")
                 else:
                     parts.append(f"v{i} if type(v{i}) in leaves else enc(v{i})")
-            parts += [f"fixed(x.{name})" for name in info.fixed]
+            # A fixed field: the constant's index, a bare int (`w_fixed` if
+            # the core rebound it).
+            for j, name in enumerate(info.fixed):
+                lines += [f"    f{j} = x.{name}",
+                          f"    c{j} = constant_ids.get(id(f{j}))"]
+                parts.append(f"c{j} if c{j} is not None else fixed(f{j})")
             lines.append("    return (" + ", ".join(parts) + ",)")
         namespace = dict(self._names_for_writers, NAME_=info.name, check=info.check,
                          pools=self._pools, with_unset=self._with_unset(info))
@@ -784,17 +803,23 @@ class ValueForm:
                 for j, name in enumerate(info.scratch):
                     namespace[f"scratch{j}"] = _slot_setter(info.cls, name)
                     namespace[f"default{j}"] = self._scratch[info.cls, name]
-                    lines.append(f"    scratch{j}(obj, copy(default{j}))")
+                    lines.append(f"    scratch{j}(obj, "
+                                 f"{_fresh(self._scratch[info.cls, name], j)})")
             else:
-                fields = [*info.value, *info.fixed]
-                for i in range(len(fields)):
+                n = len(info.value)
+                for i in range(n):
                     lines += [f"    v{i} = a[{i + 1}]",
                               f"    if type(v{i}) is tuple:",
                               f"        v{i} = dec(v{i})"]
-                entries = [f"{name!r}: v{i}" for i, name in enumerate(fields)]
+                for j in range(len(info.fixed)):
+                    lines += [f"    v{n + j} = a[{n + j + 1}]",
+                              f"    v{n + j} = constants[v{n + j}] if type(v{n + j}) is int "
+                              f"else dec(v{n + j})"]
+                entries = [f"{name!r}: v{i}"
+                           for i, name in enumerate((*info.value, *info.fixed))]
                 for j, name in enumerate(info.scratch):
                     namespace[f"default{j}"] = self._scratch[info.cls, name]
-                    entries.append(f"{name!r}: copy(default{j})")
+                    entries.append(f"{name!r}: {_fresh(self._scratch[info.cls, name], j)}")
                 lines.append("    obj.__dict__ = {" + ", ".join(entries) + "}")
             lines.append("    return obj")
         exec("\n".join(lines), namespace)  # noqa: S102 - source made here from field names
