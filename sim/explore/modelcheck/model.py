@@ -235,7 +235,7 @@ _B = ScopeRequest("b", (1, 2, 4), decode=2)
 # State counts are measured (`kvstate modelcheck --scope NAME`); every save job
 # multiplies the space by the interleavings of its 2 x 3 rank calls with the
 # engine, so the 2-rank scopes are kept to a few jobs. The default must stay
-# exhaustive within 60 s on the 2-core development machine (~900 states/s).
+# exhaustive within 60 s on the 2-core development machine (~700 states/s).
 SCOPES: dict[str, Scope] = {s.name: s for s in (
     Scope("tiny", "one request on one rank (a smoke test)",
           (ScopeRequest("a", (1, 2, 3), decode=2),), world_size=1, num_blocks=4),
@@ -281,8 +281,7 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
     # The shapes that broke upstream, on two ranks, with decode-phase saves
     # and a -200 (the store out of space) as the one fault of a path. Each is
     # exhaustive within about a minute on two cores (`--workers 2`); all four
-    # ingredients in one scope (`upstream`) take one (a quiet machine) to two
-    # and a half (a loaded one; README, "Model checker").
+    # ingredients in one scope (`upstream`) take about two (2026-12-03).
     Scope("decode2", "decode-phase saves on 2 ranks across a preemption (the request "
           "resumes and saves again), one -200 per path",
           (ScopeRequest("a", (1, 2, 3), decode=2),), faults=1, evictions=0, preemptions=1,
@@ -296,8 +295,7 @@ SCOPES: dict[str, Scope] = {s.name: s for s in (
           (ScopeRequest("a", (1, 2, 3, 4, 5), decode=3, lookup=False, transferred=True),),
           role=Role.CONSUMER, faults=1, evictions=0, preemptions=1, put_answers=("ok", "-200")),
     Scope("upstream", "decode-phase saves on 2 ranks, a preemption, an id reuse and a -200 "
-          "in one scope (exhaustive with 2 workers in under a minute on a quiet machine, "
-          "2.5 on a loaded one: 130,909 states)",
+          "in one scope (113,281 states, exhaustive in ~2 minutes with 2 workers)",
           (ScopeRequest("a", (1, 2, 3), decode=2), _A2), faults=1, evictions=0,
           preemptions=1, put_answers=("ok", "-200")),
     # The load path among the upstream shapes (issue 30): on two ranks, a

@@ -464,6 +464,9 @@ class ValueForm:
         def w_frozenset(x: frozenset[Any]) -> Any:
             return (FROZENSET, *[v if type(v) in leaves else enc(v) for v in _sorted(x)])
 
+        # Each mutable container's writer checks the memo inline (the same
+        # five lines each): a shared helper would cost one more call per
+        # container, ~80 a state of ``default``.
         def w_list(x: list[Any]) -> Any:
             ident = id(x)
             ref = memo.get(ident)
