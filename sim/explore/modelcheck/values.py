@@ -176,7 +176,6 @@ SCRATCH_DEFAULTS: dict[tuple[type, str], Any] = {(_Job, "step"): 0}
 _LEAVES: frozenset[type] = frozenset({int, str, float, bool, bytes, type(None)})
 _ORDINAL_TAG = {cls: ORDINAL + k for k, cls in enumerate(ORDINALS)}
 _UNSET = object()
-_CONTAINERS = frozenset({list, dict, set, deque, Counter})
 
 
 def _qualname(cls: type) -> str:
@@ -559,7 +558,7 @@ class ValueForm:
         self._enc = enc
         self._names_for_writers = {
             "memo": memo, "leaves": leaves, "enc": enc, "REF": REF, "CONST": CONST,
-            "UNSET": UNSET, "_UNSET": _UNSET, "constant_ids": constant_ids,
+            "constant_ids": constant_ids,
             "unordered": w_unordered if self.reduce else w_dict, "fixed": w_fixed}
 
         # Rebuilding. ``context``: this decode's block ids, request names and
