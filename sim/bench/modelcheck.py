@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from sim.bench.baseline import revision_tree, run_in
 from sim.bench.clock import cpu_seconds
 from sim.bench.visited import bench_visited
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # What the other revision runs: its own `check` on the scope, one process.
 _BASELINE = """
@@ -28,10 +23,6 @@ r = check(SCOPES[scope], "kvstate", max_states=cap, out_dir=None)
 print(json.dumps({"states": r.states, "transitions": r.transitions,
                   "seconds": r.seconds, "exhaustive": r.exhaustive}))
 """
-
-
-class BaselineError(RuntimeError):
-    """The revision to compare with could not be checked out or run."""
 
 
 def bench_modelcheck(scope: str = "default", max_states: int | None = None,
@@ -88,30 +79,14 @@ def _against(revision: str, scope: str, max_states: int | None) -> dict[str, Any
     from sim.explore.modelcheck.model import SCOPES
     from sim.explore.modelcheck.search import check
 
-    with tempfile.TemporaryDirectory(prefix="kvstate-baseline-") as tmp:
-        tree = Path(tmp) / "tree"
-        added = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach",
-                                str(tree), revision], capture_output=True, text=True)
-        if added.returncode != 0:
-            raise BaselineError(f"--against {revision}: cannot check it out here "
-                                f"({added.stderr.strip() or 'git failed'})")
-        try:
-            ours, theirs = [], []
-            for _ in range(2):
-                r = check(SCOPES[scope], "kvstate", max_states=max_states, out_dir=None)
-                ours.append({"states": r.states, "transitions": r.transitions,
-                             "seconds": r.seconds, "exhaustive": r.exhaustive})
-                run = subprocess.run(
-                    [sys.executable, "-c", _BASELINE, scope, json.dumps(max_states)],
-                    cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-                    capture_output=True, text=True)
-                if run.returncode != 0:
-                    raise BaselineError(f"--against {revision}: its model checker failed: "
-                                        f"{run.stderr.strip().splitlines()[-1:]}")
-                theirs.append(json.loads(run.stdout.strip().splitlines()[-1]))
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(tree)], capture_output=True)
+    ours, theirs = [], []
+    with revision_tree(revision) as tree:
+        for _ in range(2):
+            r = check(SCOPES[scope], "kvstate", max_states=max_states, out_dir=None)
+            ours.append({"states": r.states, "transitions": r.transitions,
+                         "seconds": r.seconds, "exhaustive": r.exhaustive})
+            theirs.append(run_in(tree, revision, "model checker", _BASELINE, scope,
+                                 json.dumps(max_states)))
     mine = min(ours, key=lambda x: x["seconds"])
     base = min(theirs, key=lambda x: x["seconds"])
     out = {"against": revision, "against_states": base["states"],

@@ -34,10 +34,27 @@ class _Unchecked(Monitor):
         pass
 
 
-def bench_sim(requests: int = 400, check_lines: bool = True) -> dict[str, Any]:
+# What another revision runs (`sim.bench.baseline`): its own simulator on the
+# same options, timed inside its process (the import is not the simulator's).
+_BASELINE = """
+import json, sys, time
+from sim.simulator.runner import SimOptions, simulate
+options = SimOptions(**json.loads(sys.argv[1]))
+started = time.perf_counter()
+r = simulate(options)
+print(json.dumps({"observations": r.figures["observations"], "ok": r.ok,
+                  "seconds": time.perf_counter() - started}))
+"""
+
+
+def bench_sim(requests: int = 400, check_lines: bool = True, against: str | None = None,
+              soak_scale: int | None = None) -> dict[str, Any]:
     """Simulator throughput with every invariant checked after every
     observation, against a bare heapq loop in the same run; trace-check
-    throughput on that run's trace."""
+    throughput on that run's trace. ``soak_scale``: also the whole FAST'25
+    trace at that scale, fault swarm on (issue 30 asks scale 16 under 60 s).
+    ``against`` (a git revision of this checkout): the same runs by that
+    revision's simulator, alternating with this one, best of two each."""
     import os
     import tempfile
 
@@ -87,4 +104,51 @@ def bench_sim(requests: int = 400, check_lines: bool = True) -> dict[str, Any]:
             figures["trace_bytes"] = os.path.getsize(path)
         finally:
             os.unlink(path)
+    soak = None
+    if soak_scale is not None:
+        soak = SimOptions(workload="fast25", scale=soak_scale, requests=12031)
+        started = time.perf_counter()
+        soaked = simulate(soak)
+        figures["soak_scale"] = soak_scale
+        figures["soak_seconds"] = round(time.perf_counter() - started, 1)
+        figures["soak_observations"] = soaked.figures["observations"]
+        figures["soak_ok"] = soaked.ok
+    if against is not None:
+        figures.update(_against(against, options, soak, heap_rate))
     return figures
+
+
+def _against(revision: str, options: Any, soak: Any, heap_rate: float) -> dict[str, Any]:
+    """The default run (and the soak, if any) by ``revision``'s simulator and
+    by this one, alternating, best of two each; the same observation counts
+    say both simulated the same run."""
+    import json
+
+    import attrs
+
+    from sim.bench.baseline import revision_tree, run_in
+    from sim.simulator.runner import simulate
+
+    out: dict[str, Any] = {"against": revision}
+    runs = [("", options)] + ([("soak_", soak)] if soak is not None else [])
+    with revision_tree(revision) as tree:
+        for prefix, opts in runs:
+            ours, theirs = [], []
+            for _ in range(2):
+                started = time.perf_counter()
+                mine = simulate(opts)
+                ours.append((time.perf_counter() - started, mine.figures["observations"]))
+                base = run_in(tree, revision, "simulator", _BASELINE,
+                              json.dumps(attrs.asdict(opts)))
+                theirs.append((base["seconds"], base["observations"]))
+            (mine_s, mine_obs), (base_s, base_obs) = min(ours), min(theirs)
+            out[f"{prefix}same_observations"] = mine_obs == base_obs
+            out[f"{prefix}against_seconds"] = round(base_s, 3)
+            out[f"{prefix}ours_seconds"] = round(mine_s, 3)
+            out[f"{prefix}speedup"] = round(base_s / mine_s, 3)
+            if not prefix:
+                out["against_ratio_observations_to_bare_heapq"] = round(
+                    base_obs / base_s / heap_rate, 4)
+                out["ours_ratio_observations_to_bare_heapq"] = round(
+                    mine_obs / mine_s / heap_rate, 4)
+    return out

@@ -60,6 +60,7 @@ def _bench_engine(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sim.bench.baseline import BaselineError
     from sim.bench.core import bench_core, format_report, ratio_lines
     from sim.bench.memory import bench_memory
     from sim.bench.simulation import bench_sim
@@ -78,10 +79,16 @@ def run(args: argparse.Namespace) -> int:
                   "decoding requests, block size 16, no store I/O (medians, microseconds)")
             print(format_report(core) + "\n")
     if "sim" in parts:
-        sim = bench_sim(requests=80 if args.quick else 400)
+        try:
+            sim = bench_sim(requests=80 if args.quick else 400, against=args.against,
+                            soak_scale=args.soak_scale)
+        except BaselineError as e:
+            raise UsageError(str(e)) from e
         report["sim"] = sim
         if not args.json:
-            print("simulator, every invariant checked after every observation:")
+            print("simulator, every invariant checked after every observation"
+                  + (f", and revision {args.against}'s simulator (same run)"
+                     if args.against else "") + ":")
             print(table([[k, str(v)] for k, v in sim.items()]) + "\n")
     if "memory" in parts:
         counts = (1000, 4000) if args.quick else tuple(args.memory_requests)
@@ -123,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print("\n" + format_tools(tools))
     if "modelcheck" in parts:
-        from sim.bench.modelcheck import BaselineError, bench_modelcheck
+        from sim.bench.modelcheck import bench_modelcheck
 
         try:
             report["modelcheck"] = bench_modelcheck(
@@ -149,9 +156,15 @@ def run(args: argparse.Namespace) -> int:
     if "check" in parts:
         from sim.bench.check import bench_check
 
-        report["check"] = bench_check(requests=80 if args.quick else 400)
+        try:
+            report["check"] = bench_check(requests=80 if args.quick else 400,
+                                          against=args.against)
+        except BaselineError as e:
+            raise UsageError(str(e)) from e
         if not args.json:
-            print("trace check against bare parsing (same lines, same process, best of 3):")
+            print("trace check against bare parsing (same lines, same process, best of 3)"
+                  + (f", and revision {args.against}'s check of the same file"
+                     if args.against else "") + ":")
             print(table([[k, str(v)] for k, v in report["check"].items()]))
     if "vllm" in parts:
         report["vllm"] = _bench_vllm(args)
@@ -201,8 +214,12 @@ def register(sub: Any) -> None:
                        help="for 'modelcheck': the scope to exhaust (default: default; "
                        "tiny with --quick)")
     parser.add_argument("--against", metavar="REVISION", default=None,
-                       help="for 'modelcheck': also run this git revision's model checker "
-                       "on the scope, in a worktree, in the same run (e.g. HEAD~3)")
+                       help="for 'modelcheck', 'sim' and 'check': also run this git "
+                       "revision's model checker, simulator or check on the same input, in "
+                       "a worktree, in the same run (e.g. HEAD~3)")
+    parser.add_argument("--soak-scale", type=int_in(1, 4096), default=None, metavar="S",
+                       help="for 'sim': also time the whole FAST'25 trace at scale S with "
+                       "the fault swarm on (with --against: that revision's too)")
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     # Bounds (issue 32, class 2): the simulator's request bound, vLLM's
     # longest contexts (~10M tokens), a trace's world size.
