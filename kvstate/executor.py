@@ -36,6 +36,7 @@ from kvstate.keys import (
     chunk_hash,
     chunk_ids,
     key_for,
+    key_head,
     key_prefix,
     store_mask,
     stride_residue,
@@ -194,18 +195,22 @@ class Executor:
         origin = variant.stride_origin(cdiv(save_start, bs))
         limit = len(hashes) // per_block
         keys: list[str] = []
+        groups, blocks, chunks = job.groups, job.blocks, job.chunks
         for g, mask in enumerate(masks):
             table = job.block_ids[g]
-            prefix = self.prefixes[g]
+            size = len(table)
+            # `key_for` and `chunk_hash` written out: this loop runs once per
+            # chunk a job checks (8 M times in a FAST'25 soak at scale 16).
+            head = key_head(self.prefixes[g])
             for cid in chunk_ids(save_start, token_len, bs, mask, put_step, self.residues[g],
                                  limit=limit, origin=origin):
-                block = table[cid] if cid < len(table) else NULL_BLOCK_ID
+                block = table[cid] if cid < size else NULL_BLOCK_ID
                 if block == NULL_BLOCK_ID:
                     continue
-                keys.append(key_for(prefix, chunk_hash(hashes, cid, per_block)))
-                job.groups.append(g)
-                job.blocks.append(block)
-                job.chunks.append(cid)
+                keys.append(head + hashes[(cid + 1) * per_block - 1].hex())
+                groups.append(g)
+                blocks.append(block)
+                chunks.append(cid)
         if not keys:
             job.fire(self.rank, _JE.NOTHING_TO_STORE)
             return self._succeeded(job)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from itertools import compress, repeat
 from typing import Any
 
 import attrs
@@ -743,9 +744,9 @@ class Monitor:
     def _on_ExistsAnswered(self, obs: ExistsAnswered) -> None:
         job = self.jobs.get(obs.job_id)
         if job is not None:
-            rank = obs.rank
-            job.checked.update((rank, key) for key in obs.keys)
-            job.held.update((rank, key) for key, there in zip(obs.keys, obs.present) if there)
+            ranks = repeat(obs.rank)  # (rank, key) pairs built in C: one per checked key
+            job.checked.update(zip(ranks, obs.keys))
+            job.held.update(zip(ranks, compress(obs.keys, obs.present)))
 
     def _on_PutDone(self, obs: PutDone) -> None:
         config = self.config

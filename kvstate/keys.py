@@ -133,9 +133,15 @@ def key_prefix(config: ConnectorConfig, tp_rank: int, group: int) -> str:
 
 def key_for(prefix: str, digest: bytes | str) -> str:
     """The store key of a chunk: ``key_prefix(...)`` and the chunk hash (bytes,
-    or already as hex). The one place keys are formatted; `parse_key` reads
-    them back."""
+    or already as hex). With `key_head`, the one place keys are formatted;
+    `parse_key` reads them back."""
     return f"{prefix}@{digest if isinstance(digest, str) else digest.hex()}"
+
+
+def key_head(prefix: str) -> str:
+    """What every key of ``prefix`` starts with: ``key_for(prefix, d) ==
+    key_head(prefix) + d.hex()`` (for a loop over many chunks of one prefix)."""
+    return prefix + "@"
 
 
 class StoreKey(NamedTuple):

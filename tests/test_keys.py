@@ -140,7 +140,7 @@ def test_suffix_mask_equals_the_full_masks_tail(w, bs, seg, n, start) -> None:
 
 
 def test_parse_key_reads_back_what_key_for_wrote() -> None:
-    from kvstate.keys import StoreKey, key_digest, key_for, parse_key
+    from kvstate.keys import StoreKey, key_digest, key_for, key_head, parse_key
 
     config = ConnectorConfig(block_size=4, world_size=4, put_step=2, cache_prefix="pq",
                              config_fingerprint="abc")
@@ -149,6 +149,8 @@ def test_parse_key_reads_back_what_key_for_wrote() -> None:
         for group in (0, 3):
             key = key_for(key_prefix(config, rank, group), digest)
             assert key == key_for(key_prefix(config, rank, group), digest.hex())
+            # The executor's chunk loop writes keys as head + hex.
+            assert key == key_head(key_prefix(config, rank, group)) + digest.hex()
             assert parse_key(key) == StoreKey(digest.hex(), rank // 2, group)
             assert parse_key(key).chunk_hash() == digest  # type: ignore[union-attr]
             assert key_digest(key) == digest.hex()

@@ -67,3 +67,18 @@ class Faults:
             self.fired[site] += 1
             return True
         return False
+
+    def fire_any(self, site: str, visits: int) -> bool:
+        """``visits`` visits of ``site`` in a row, up to the first that fires:
+        whether one did. The draws are exactly those of as many `fire` calls
+        stopping there (the same seed gives the same run), in one loop: an
+        existence check of 80 keys is 80 visits."""
+        rate = self.rates.get(site)
+        if rate is None or not self.enabled:
+            return False
+        draw = self.rng.random
+        for _ in range(visits):
+            if draw() < rate:
+                self.fired[site] += 1
+                return True
+        return False

@@ -83,7 +83,15 @@ class SimStore(MemoryStore):
         self.lost_to_restarts = 0  # objects the restarts lost
 
     def exists(self, rank: int, keys: Sequence[str]) -> list[bool]:
-        present = super().exists(rank, keys)
+        # `MemoryStore.exists` asks ``answer`` once per key; here only a
+        # rank's check can fail (``exists_raise``, the engine's own lookups
+        # never do), so the keys' visits are drawn in one loop: the same
+        # draws, a fifth of the time (a FAST'25 soak checks 8 M keys).
+        self.exists_keys += len(keys)
+        if rank >= 0 and self.faults.fire_any("exists_raise", len(keys)):
+            raise StoreRaised("batch_is_exist raised (injected)")
+        objects = self.objects
+        present = [key in objects for key in keys]
         if rank >= 0:
             self.dedup_checked += len(present)
             self.dedup_hits += sum(present)
@@ -144,9 +152,7 @@ class SimStore(MemoryStore):
             if len(self.objects) >= self.capacity and key not in self.objects:
                 self._schedule_eviction()
                 return NO_AVAILABLE_HANDLE
-        elif op == "exists" and rank >= 0 and faults.fire("exists_raise"):
-            return StoreRaised("batch_is_exist raised (injected)")
-        elif op == "get":
+        elif op == "get":  # (existence checks: `exists`)
             if key not in self.objects:
                 # The query finds no readable replica and grants no lease:
                 # -703 while a put of it is in progress, else -704 (`read`).
