@@ -82,6 +82,7 @@ class EngineRequest:
         "req_id", "prompt", "tokens", "max_new_tokens", "computed", "blocks", "chain",
         "sent_hashes", "status", "resume", "pending_load", "load_async", "lookup",
         "hit", "transferred", "token_seed", "load_failed", "resume_hit", "rewind", "freed",
+        "hashed",
     )
 
     def __init__(self, req_id: str, prompt: Sequence[int], max_new_tokens: int,
@@ -114,6 +115,9 @@ class EngineRequest:
         # was freed since the request was last scheduled (told to the
         # connector with its next ``CachedRequest``).
         self.freed: list[list[int]] = [[] for _ in range(num_groups)]
+        # A cache (`Harness._hashes`): the tokens hashed so far and their
+        # block hashes; never read without checking it against ``tokens``.
+        self.hashed: tuple[tuple[int, ...], tuple[bytes, ...]] = ((), ())
 
 
 class Harness:
@@ -418,7 +422,6 @@ class Harness:
         asks the connector again; loaded synchronously) recomputes what the
         store does not hold; a new request may first look the store up and
         load a hit."""
-        config = self.config
         if req.resume:
             hit = self._resume_lookup(req)
             if hit:
@@ -432,8 +435,7 @@ class Harness:
             req.resume_hit = None
             req.status = "running"
             req.computed = hit
-            req.chain = HashChain(config.hash_block, hash_fn=self.hash_fn)
-            hashes = tuple(req.chain.extend(req.tokens[:hit + n]))
+            hashes = self._start_chain(req, hit + n)
             return ResumedRequest(req.req_id, tuple(req.tokens), hit, n,
                                   tuple(tuple(t) for t in req.blocks), hashes), n
         if req.transferred:
@@ -467,8 +469,7 @@ class Harness:
         if self._grow(req, hit + n) is None:
             return None
         req.status = "running"
-        req.chain = HashChain(config.hash_block, hash_fn=self.hash_fn)
-        hashes = tuple(req.chain.extend(req.tokens[:hit + n]))
+        hashes = self._start_chain(req, hit + n)
         return NewRequest(req.req_id, req.prompt, hit, n,
                           tuple(tuple(t) for t in req.blocks), hashes), n
 
@@ -485,13 +486,49 @@ class Harness:
     def _look_up(self, req: EngineRequest, tokens: Sequence[int]) -> int:
         """``get_num_new_matched_tokens``: the planner's lookup of ``tokens``
         against the store, observed; the hit in tokens."""
-        hashes_all = HashChain(self.config.hash_block, tokens, self.hash_fn).hashes
+        hashes_all = list(self._hashes(req, tokens))
         query = self.planner.lookup(req.req_id, len(tokens), hashes_all)
         present = tuple(self.store.exists(-1, query.keys))
         hit = self.planner.lookup_answered(query, present)
         self.observe(LookupDone(req.req_id, query.generation, len(tokens),
                                 tuple(hashes_all), query.keys, present, hit))
         return hit
+
+    def _hashes(self, req: EngineRequest, tokens: Sequence[int]) -> tuple[bytes, ...]:
+        """The block hashes of ``tokens`` (a prefix of the request's tokens:
+        its prompt or all of them), as vLLM's ``Request.block_hashes`` holds
+        them, hashed once per request. A lookup, the admission after it, a
+        resumption and a failed load's recovery all hash the same prefix
+        again (a tenth of a FAST'25 soak's time went to that). ``req.hashed``
+        is only a cache: it is used where its tokens are a prefix of
+        ``tokens`` and hashing goes on from its last hash; anything else (a
+        rewind cut the tokens, a model-checker state rebuilt with another
+        request's cache) hashes from the start."""
+        size = self.config.hash_block
+        done, hashes = req.hashed
+        whole = len(tokens) // size * size
+        if len(done) > whole or tokens[:len(done)] != (
+                done if type(tokens) is tuple else list(done)):
+            done, hashes = (), ()
+        if len(done) < whole:
+            fn = self.hash_fn
+            more = []
+            parent = hashes[-1] if hashes else None
+            for start in range(len(done), whole, size):
+                parent = fn(parent, tokens[start:start + size])
+                more.append(parent)
+            done, hashes = tuple(tokens[:whole]), hashes + tuple(more)
+            req.hashed = (done, hashes)
+        return hashes[:whole // size]
+
+    def _start_chain(self, req: EngineRequest, upto: int) -> tuple[bytes, ...]:
+        """Admission: the request's chain over its first ``upto`` tokens (the
+        step goes on extending it); the hashes of its whole blocks."""
+        size = self.config.hash_block
+        hashes = self._hashes(req, req.tokens[:upto])
+        req.chain = HashChain.continued(size, hashes, req.tokens[len(hashes) * size:upto],
+                                        self.hash_fn)
+        return hashes
 
     def _skip_window(self, req: EngineRequest, hit: int) -> None:
         """vLLM's ``SlidingWindowManager`` on an external hit: the blocks
@@ -518,8 +555,7 @@ class Harness:
         if self._grow(req, n_prompt) is None:
             return None
         self._allocate(req, 0, False)
-        req.chain = HashChain(config.hash_block, hash_fn=self.hash_fn)
-        hashes = tuple(req.chain.extend(req.prompt))
+        hashes = self._start_chain(req, n_prompt)
         for idx in range((n_prompt - 1) // config.block_size):
             digest = chunk_hash(req.chain.hashes, idx, config.hashes_per_block).hex()
             for table in req.blocks:
@@ -578,12 +614,12 @@ class Harness:
                     req.rewind = (first * bs, len(req.tokens))
                     continue
             # The engine recomputes exactly the blocks reported as failed.
-            chain = HashChain(self.config.hash_block, req.tokens, self.hash_fn)
+            hashes = self._hashes(req, req.tokens)
             for table in req.blocks:
                 for idx, block in enumerate(table):
                     if block in result.failed_block_ids and (idx + 1) * bs <= len(req.tokens):
                         self.pool.write(
-                            block, chunk_hash(chain.hashes, idx, self.config.hashes_per_block).hex())
+                            block, chunk_hash(hashes, idx, self.config.hashes_per_block).hex())
             if req.status == "parked":
                 req.status = "waiting"  # pending_load stays set: admitted from the hit
 

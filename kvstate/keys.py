@@ -62,6 +62,21 @@ class HashChain:
         self._hash_fn = hash_fn or block_hash
         self.extend(tokens)
 
+    @classmethod
+    def continued(cls, hash_block_size: int, hashes: Sequence[bytes], pending: Sequence[int],
+                  hash_fn: Callable[[bytes | None, Sequence[int]], bytes] | None = None
+                  ) -> HashChain:
+        """The chain that has hashed its first ``len(hashes)`` blocks into
+        ``hashes`` and holds ``pending`` (fewer than a block's tokens) after
+        them: what extending a new chain would give, without hashing again."""
+        if len(pending) >= hash_block_size:
+            raise ValueError(f"{len(pending)} pending tokens: a whole block of "
+                             f"{hash_block_size} is hashed, not pending")
+        chain = cls(hash_block_size, hash_fn=hash_fn)
+        chain.hashes = list(hashes)
+        chain._pending = list(pending)
+        return chain
+
     @property
     def num_tokens(self) -> int:
         """How many tokens the chain has taken so far."""

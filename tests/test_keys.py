@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -57,6 +58,41 @@ def test_hash_chain_is_incremental_and_chained() -> None:
     # A different first block changes every later hash (the chain names the prefix).
     other = chain_hashes([99] + tokens[1:], 8)
     assert all(x != y for x, y in zip(other, chain.hashes))
+
+
+def test_a_continued_chain_is_the_chain_extended_from_the_start() -> None:
+    tokens = list(range(45))
+    whole = HashChain(8, tokens[:21])
+    continued = HashChain.continued(8, whole.hashes, tokens[16:21])
+    assert continued.num_tokens == 21
+    assert continued.extend(tokens[21:]) == whole.extend(tokens[21:])
+    assert continued.hashes == whole.hashes == chain_hashes(tokens, 8)
+    with pytest.raises(ValueError, match="8 pending tokens"):
+        HashChain.continued(8, [], tokens[:8])
+
+
+def test_the_engines_hash_cache_answers_as_hashing_afresh() -> None:
+    """The harness hashes a request's prefix once (lookup, admission,
+    resumption, load recovery) and keeps it; whatever the cache holds (a
+    shorter prefix, tokens a rewind cut, another request's tokens), the
+    answer is the chain hashed from the start."""
+    from kvstate.harness import Harness
+
+    h = Harness(ConnectorConfig(block_size=4, world_size=1))
+    h.add("r", list(range(30)), 8)
+    req = h["r"]
+    fresh = lambda n: tuple(chain_hashes(req.tokens[:n], 4))  # noqa: E731
+    assert h._hashes(req, req.prompt[:9]) == fresh(9)  # two blocks, cached
+    assert len(req.hashed[1]) == 2
+    assert h._hashes(req, req.prompt) == fresh(30)  # extends the cache
+    assert h._hashes(req, req.tokens[:13]) == fresh(13)  # a shorter prefix: a slice
+    req.tokens += [7, 7, 7, 7]
+    assert h._hashes(req, req.tokens) == fresh(34)
+    del req.tokens[20:]  # a rewind: the cache holds tokens no longer there
+    req.tokens += [1, 2, 3, 4]
+    assert h._hashes(req, req.tokens) == fresh(24)
+    req.hashed = (tuple(range(100, 112)), tuple(chain_hashes(range(100, 112), 4)))
+    assert h._hashes(req, req.tokens) == fresh(24)  # another request's cache: unused
 
 
 def test_chunk_is_keyed_by_its_last_sub_hash_and_parent_is_the_predecessor() -> None:

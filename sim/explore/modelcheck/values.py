@@ -81,7 +81,7 @@ from attr._make import _frozen_setattrs as _FROZEN
 
 from kvstate.block_pool import BlockPool
 from kvstate.executor import Executor
-from kvstate.harness import Harness
+from kvstate.harness import EngineRequest, Harness
 from kvstate.invariants import Monitor, _Job
 from kvstate.memory_store import MemoryStore
 from kvstate.planner import Planner
@@ -156,6 +156,9 @@ FORMS: dict[type, Form] = {
         scratch=("findings", "_handlers", "index", *END_ONLY_FIELDS[Monitor]),
         unordered=UNORDERED_FIELDS[Monitor]),
     _Job: Form(scratch=END_ONLY_FIELDS[_Job]),
+    # A cache of block hashes the harness checks against the tokens before
+    # any use (`Harness._hashes`): a function of the value, not part of it.
+    EngineRequest: Form(scratch=("hashed",)),
     Planner: Form(
         value=("trackers", "jobs", "closing", "quorum", "_next_job_id", "_next_generation",
                "_step", "_loads_pending", "_load_queue", "_loading"),
@@ -171,7 +174,8 @@ FORMS: dict[type, Form] = {
     BlockPool: Form(value=("refs", "free", "content", "observer", "on_write")),
 }
 # A scratch field of a class the template holds no instance of starts as this.
-SCRATCH_DEFAULTS: dict[tuple[type, str], Any] = {(_Job, "step"): 0}
+SCRATCH_DEFAULTS: dict[tuple[type, str], Any] = {(_Job, "step"): 0,
+                                                  (EngineRequest, "hashed"): ((), ())}
 
 _LEAVES: frozenset[type] = frozenset({int, str, float, bool, bytes, type(None)})
 _ORDINAL_TAG = {cls: ORDINAL + k for k, cls in enumerate(ORDINALS)}
