@@ -132,8 +132,11 @@ class Remap:
             if j0 == j1:
                 # A run of tokens inside block j0: the last p with p*s + s - 1 < 512*(j0+1).
                 stop = min(length, (blk * (j0 + 1) - s) // s + 1)
-                base = self._intern(lap, hash_ids[j0]) * blk
-                out.extend(base + q % blk for q in range(p, stop))
+                # ``q % blk`` never wraps on [p, stop): a wrap would need a
+                # multiple of blk strictly inside (j0 * blk / s, (j0 + 1) * blk / s),
+                # that is an integer m * s strictly between j0 and j0 + 1.
+                first = self._intern(lap, hash_ids[j0]) * blk + p % blk
+                out.extend(range(first, first + stop - p))
                 p = stop
             else:
                 out.append(self._intern(lap, tuple(hash_ids[j0:j1 + 1])) * blk + p % blk)
