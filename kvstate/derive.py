@@ -196,14 +196,19 @@ class Derivation:
 
     def apply(self, where: str, engine: int, obs: Any,
               absent: frozenset[str]) -> tuple[Any, frozenset[str]]:
-        kind = type(obs)
-        try:
-            handler = self._handlers[kind]
-        except KeyError:  # by name: the fast path's structs share the records' names
-            handler = self._handlers[kind] = getattr(self, "_on_" + kind.__name__, None)
+        handler = self.handler_of(type(obs))
         if handler is None:
             return obs, absent
         return handler(where, self.engines[engine], obs, absent)
+
+    def handler_of(self, kind: type) -> Any:
+        """What `apply` does with a record of type ``kind``, called with
+        ``(where, self.engines[engine], obs, absent)``; ``None``: nothing."""
+        try:
+            return self._handlers[kind]
+        except KeyError:  # by name: the fast path's structs share the records' names
+            handler = self._handlers[kind] = getattr(self, "_on_" + kind.__name__, None)
+            return handler
 
     def _on_StepScheduled(self, where: str, life: _Lifetimes, obs: Any,
                           absent: frozenset[str]) -> tuple[Any, frozenset[str]]:

@@ -427,21 +427,33 @@ class _Validator:
 
     def line(self, where: str, index: int, engine: int, when: float, obs: Any) -> None:
         if index <= self.index:
-            raise TraceError(where, "i", f"index {index} after index {self.index}: indexes "
-                             "must strictly increase")
+            self.out_of_order(where, index)
         self.index = index
         if when < self.time:
-            raise TraceError(where, "t", f"time {when} after time {self.time}: time must "
-                             "not run backwards")
+            self.backwards(where, when)
         self.time = when
-        kind = type(obs)
+        check = self.check_of(type(obs))
+        if check is not None:
+            check(where, engine, obs)
+
+    def out_of_order(self, where: str, index: int) -> None:
+        raise TraceError(where, "i", f"index {index} after index {self.index}: indexes "
+                         "must strictly increase")
+
+    def backwards(self, where: str, when: float) -> None:
+        raise TraceError(where, "t", f"time {when} after time {self.time}: time must "
+                         "not run backwards")
+
+    def check_of(self, kind: type) -> Callable[[str, int, Any], None] | None:
+        """Every check of a record of type ``kind`` but order (`line`): its
+        value rules and its identity and range checks, as one call (``None``:
+        nothing to check)."""
         try:
-            check = self._by_type[kind]
+            return self._by_type[kind]
         except KeyError:
             check = self._by_type[kind] = self._numbered(kind.__name__,
                                                          self.checks.get(kind.__name__))
-        if check is not None:
-            check(where, engine, obs)
+            return check
 
     @staticmethod
     def _numbered(kind: str, check: Callable[[str, int, Any], None] | None
@@ -573,14 +585,19 @@ class TraceReader:
 
     def __iter__(self) -> Iterator[tuple[int, int, float, Any]]:
         validator = _Validator(self.header["configs"])
-        derive = self.derivation.apply
+        derivation = self.derivation
+        lives = derivation.engines
         codec = self.fast
         decode = codec.decoder.decode if codec is not None else None
         annotated = frozenset(codec.defaults) if codec is not None else frozenset()
         fill = codec.fill if codec is not None else None
         engines = self.engines
-        check_line = validator.line
         name = self.name
+        # Per record type, once: (its checks, its derivation, whether it has
+        # annotations to fill). This loop runs once per line and is most of
+        # `kvstate check`'s own time, so a type's two lookups and the calls
+        # it does not need are left out here rather than in every line.
+        plans: dict[type, tuple[Any, Any, bool]] = {}
         for number, raw in self._lines:
             self.last_line = number
             where = f"{name}:{number}"
@@ -594,19 +611,42 @@ class TraceReader:
                 text = line_text(raw, where)
                 if not text.strip():
                     continue
-                index, engine, when, obs, self.absent = decode_line_absent(text, where)
+                index, engine, when, obs, absent = decode_line_absent(text, where)
+                kind = type(obs)
+                plan = plans.get(kind)
+                if plan is None:
+                    plan = plans[kind] = self._plan(kind, validator, annotated)
             else:
                 # msgspec refuses numbers beyond a float's range (no inf, no
                 # NaN: JSON has neither), so ``t`` is finite here.
                 index, engine, when = obs.i, obs.e, obs.t
-                kind = type(obs).__name__
-                self.absent = fill(kind, obs) if kind in annotated else NO_ABSENT  # type: ignore[misc]
+                kind = type(obs)
+                plan = plans.get(kind)
+                if plan is None:
+                    plan = plans[kind] = self._plan(kind, validator, annotated)
+                absent = fill(kind.__name__, obs) if plan[2] else NO_ABSENT  # type: ignore[misc]
             if not 0 <= engine < engines:
                 raise TraceError(where, "e",
                                  f"engine {engine} but the header configures {engines}")
-            check_line(where, index, engine, when, obs)
-            obs, self.absent = derive(where, engine, obs, self.absent)
+            # `_Validator.line`, written out.
+            if index <= validator.index:
+                validator.out_of_order(where, index)
+            validator.index = index
+            if when < validator.time:
+                validator.backwards(where, when)
+            validator.time = when
+            check, derive, _ = plan
+            if check is not None:
+                check(where, engine, obs)
+            if derive is not None:
+                obs, absent = derive(where, lives[engine], obs, absent)
+            self.absent = absent
             yield number, engine, when, obs
+
+    def _plan(self, kind: type, validator: _Validator, annotated: frozenset[str]
+              ) -> tuple[Any, Any, bool]:
+        return (validator.check_of(kind), self.derivation.handler_of(kind),
+                kind.__name__ in annotated)
 
     def close(self) -> None:
         self._handle.close()
