@@ -82,6 +82,36 @@ def test_bench_quick_reports_both_protocols_and_ratios(capsys) -> None:
     assert out["memory"]["1000"]["ok"] and out["memory"]["4000"]["ok"]
 
 
+@pytest.mark.slow
+def test_the_sim_and_check_benches_run_another_revision_in_the_same_run() -> None:
+    """``--against REV`` for ``sim`` and ``check``: that revision's simulator
+    (on the same options) and check (of the same trace file) in a worktree,
+    alternating with this checkout's; here REV is HEAD, which simulates the
+    same run and judges the trace alike."""
+    from sim.bench.check import bench_check
+    from sim.bench.simulation import bench_sim
+
+    sim = bench_sim(requests=40, check_lines=False, against="HEAD")
+    assert sim["same_observations"] is True
+    assert sim["against_seconds"] > 0 and sim["speedup"] > 0
+    check = bench_check(requests=40, repeats=1, against="HEAD")
+    assert check["against_same_verdict"] is True and check["against lines/s"] > 0
+
+
+def test_bench_refuses_against_and_soak_options_before_running_anything(capsys) -> None:
+    """A typo in ``--against`` or an option the named parts do not take is
+    refused at once, not after minutes of benchmarks."""
+    for argv, said in ((["bench", "sim", "--against", "no-such-rev"],
+                        "--against 'no-such-rev': no such commit"),
+                       (["bench", "core", "--against", "HEAD"],
+                        "--against compares the model checker, the simulator or the trace "
+                        "check"),
+                       (["bench", "check", "--soak-scale", "16"],
+                        "--soak-scale times the simulator's FAST'25 soak: name sim")):
+        assert main(argv) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_the_sim_bench_unchecked_row_runs_the_same_simulation_without_checks() -> None:
     """`kvstate bench sim` weighs the checks by running the same seed with a
     monitor that checks nothing: the same observations, and a buggy

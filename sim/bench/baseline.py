@@ -29,6 +29,18 @@ class BaselineError(RuntimeError):
     """The revision to compare with could not be checked out or run."""
 
 
+def check_revision(revision: str) -> str:
+    """``revision`` as a commit id; `BaselineError` naming it if this
+    checkout has no such commit (asked before any benchmark runs, so a typo
+    costs nothing)."""
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet",
+                            f"{revision}^{{commit}}"], capture_output=True, text=True)
+    if found.returncode != 0 or not found.stdout.strip():
+        raise BaselineError(f"--against {revision!r}: no such commit in {ROOT} (give a "
+                            "branch, tag or commit id of this checkout, e.g. HEAD~3)")
+    return found.stdout.strip()
+
+
 @contextmanager
 def revision_tree(revision: str) -> Iterator[Path]:
     """``revision`` checked out in a temporary worktree (removed afterwards)."""

@@ -66,6 +66,18 @@ def run(args: argparse.Namespace) -> int:
     from sim.bench.simulation import bench_sim
 
     parts = set(args.part or ["core", "sim"])
+    if args.soak_scale is not None and "sim" not in parts:
+        raise UsageError("--soak-scale times the simulator's FAST'25 soak: name sim")
+    if args.against is not None:
+        from sim.bench.baseline import check_revision
+
+        if not parts & {"modelcheck", "sim", "check"}:
+            raise UsageError("--against compares the model checker, the simulator or the "
+                             "trace check: name modelcheck, sim or check")
+        try:
+            check_revision(args.against)
+        except BaselineError as e:
+            raise UsageError(str(e)) from e
     report: dict[str, Any] = {}
     if "core" in parts:
         if args.quick:
