@@ -72,9 +72,11 @@ class HashChain:
         if len(pending) >= hash_block_size:
             raise ValueError(f"{len(pending)} pending tokens: a whole block of "
                              f"{hash_block_size} is hashed, not pending")
-        chain = cls(hash_block_size, hash_fn=hash_fn)
+        chain = cls.__new__(cls)  # not __init__: nothing to extend
+        chain.hash_block_size = hash_block_size
         chain.hashes = list(hashes)
         chain._pending = list(pending)
+        chain._hash_fn = hash_fn or block_hash
         return chain
 
     @property
