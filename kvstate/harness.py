@@ -500,15 +500,17 @@ class Harness:
         them, hashed once per request. A lookup, the admission after it, a
         resumption and a failed load's recovery all hash the same prefix
         again (a tenth of a FAST'25 soak's time went to that). ``req.hashed``
-        is only a cache: it is used where its tokens are a prefix of
-        ``tokens`` and hashing goes on from its last hash; anything else (a
-        rewind cut the tokens, a model-checker state rebuilt with another
-        request's cache) hashes from the start."""
+        is only a cache, used where it agrees with ``tokens`` on the tokens
+        both hold: a shorter prefix is a slice of it, a longer one goes on
+        hashing from its last hash; anything else (tokens a rewind cut and
+        the engine regrew differently, another request's cache) hashes from
+        the start."""
         size = self.config.hash_block
         done, hashes = req.hashed
         whole = len(tokens) // size * size
-        if len(done) > whole or tokens[:len(done)] != (
-                done if type(tokens) is tuple else list(done)):
+        common = min(len(done), whole)
+        if tokens[:common] != (done[:common] if type(tokens) is tuple
+                               else list(done[:common])):
             done, hashes = (), ()
         if len(done) < whole:
             fn = self.hash_fn

@@ -86,6 +86,7 @@ def test_the_engines_hash_cache_answers_as_hashing_afresh() -> None:
     assert len(req.hashed[1]) == 2
     assert h._hashes(req, req.prompt) == fresh(30)  # extends the cache
     assert h._hashes(req, req.tokens[:13]) == fresh(13)  # a shorter prefix: a slice
+    assert len(req.hashed[1]) == 7  # ... of the cache, which stays whole
     req.tokens += [7, 7, 7, 7]
     assert h._hashes(req, req.tokens) == fresh(34)
     del req.tokens[20:]  # a rewind: the cache holds tokens no longer there

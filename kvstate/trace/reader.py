@@ -425,17 +425,6 @@ class _Validator:
         self._by_type: dict[type, Callable[[str, int, Any], None] | None] = {}
         self.sizes = [c.world_size for c in configs]
 
-    def line(self, where: str, index: int, engine: int, when: float, obs: Any) -> None:
-        if index <= self.index:
-            self.out_of_order(where, index)
-        self.index = index
-        if when < self.time:
-            self.backwards(where, when)
-        self.time = when
-        check = self.check_of(type(obs))
-        if check is not None:
-            check(where, engine, obs)
-
     def out_of_order(self, where: str, index: int) -> None:
         raise TraceError(where, "i", f"index {index} after index {self.index}: indexes "
                          "must strictly increase")
@@ -445,9 +434,9 @@ class _Validator:
                          "not run backwards")
 
     def check_of(self, kind: type) -> Callable[[str, int, Any], None] | None:
-        """Every check of a record of type ``kind`` but order (`line`): its
-        value rules and its identity and range checks, as one call (``None``:
-        nothing to check)."""
+        """Every check of a record of type ``kind`` but order (the reader's
+        line loop checks that): its value rules and its identity and range
+        checks, as one call (``None``: nothing to check)."""
         try:
             return self._by_type[kind]
         except KeyError:
@@ -628,7 +617,7 @@ class TraceReader:
             if not 0 <= engine < engines:
                 raise TraceError(where, "e",
                                  f"engine {engine} but the header configures {engines}")
-            # `_Validator.line`, written out.
+            # The order checks (`_Validator`), written out: once per line.
             if index <= validator.index:
                 validator.out_of_order(where, index)
             validator.index = index
