@@ -36,8 +36,10 @@ def check_revision(revision: str) -> str:
     found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet",
                             f"{revision}^{{commit}}"], capture_output=True, text=True)
     if found.returncode != 0 or not found.stdout.strip():
+        said = found.stderr.strip().splitlines()
         raise BaselineError(f"--against {revision!r}: no such commit in {ROOT} (give a "
-                            "branch, tag or commit id of this checkout, e.g. HEAD~3)")
+                            "branch, tag or commit id of this checkout, e.g. HEAD~3)"
+                            + (f"; git: {said[-1]}" if said else ""))
     return found.stdout.strip()
 
 
