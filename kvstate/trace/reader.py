@@ -601,18 +601,17 @@ class TraceReader:
                 if not text.strip():
                     continue
                 index, engine, when, obs, absent = decode_line_absent(text, where)
-                kind = type(obs)
-                plan = plans.get(kind)
-                if plan is None:
-                    plan = plans[kind] = self._plan(kind, validator, annotated)
+                fast = False
             else:
                 # msgspec refuses numbers beyond a float's range (no inf, no
                 # NaN: JSON has neither), so ``t`` is finite here.
                 index, engine, when = obs.i, obs.e, obs.t
-                kind = type(obs)
-                plan = plans.get(kind)
-                if plan is None:
-                    plan = plans[kind] = self._plan(kind, validator, annotated)
+                fast = True
+            kind = type(obs)
+            plan = plans.get(kind)
+            if plan is None:
+                plan = plans[kind] = self._plan(kind, validator, annotated)
+            if fast:  # the struct holds UNSET where the line left an annotation out
                 absent = fill(kind.__name__, obs) if plan[2] else NO_ABSENT  # type: ignore[misc]
             if not 0 <= engine < engines:
                 raise TraceError(where, "e",
